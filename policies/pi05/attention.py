@@ -1,0 +1,158 @@
+"""Attention backends (eager reference, PyTorch SDPA, flash-attn) chosen per call site.
+
+Every PI0.5 attention is either unmasked (SigLIP) or masked by *key validity* only (prefix: bidirectional over
+valid tokens; suffix: valid prefix keys plus all action tokens). So one signature serves all sites:
+``attend(q (B, Nh, T, hd), k (B, Nkv, S, hd), v, key_mask (B, S) bool | None, scale)``.
+
+Query rows of padded tokens are never read downstream; the additive mask uses a large *finite* negative
+(-2.3819763e38, as openpi/LeRobot) so such rows stay finite (uniform attention) instead of NaN.
+
+Example:
+    >>> import torch
+    >>> q = torch.randn(1, 4, 3, 8); k = torch.randn(1, 1, 5, 8); v = torch.randn(1, 1, 5, 8)
+    >>> mask = torch.tensor([[True, True, False, True, True]])
+    >>> a = attend(q, k, v, mask, 8 ** -0.5, "eager"); b = attend(q, k, v, mask, 8 ** -0.5, "sdpa")
+    >>> bool(torch.allclose(a, b, atol=1e-5))
+    True
+"""
+
+from __future__ import annotations
+
+import importlib.util
+from dataclasses import dataclass, field
+
+import torch
+import torch.nn.functional as F
+
+MASK_VALUE = -2.3819763e38
+"""Additive mask value for disallowed keys (finite, as openpi and LeRobot)."""
+
+BACKENDS = ("eager", "sdpa", "flash")
+SITES = ("vision", "prefix", "expert")
+
+
+def flash_attn_available() -> bool:
+    """Whether the optional flash-attn package is importable (never required)."""
+    return importlib.util.find_spec("flash_attn") is not None
+
+
+def _eager(q, k, v, key_mask, scale):
+    # (B, Nh, T, hd) x (B, Nkv, S, hd): expand the shared KV heads, softmax in fp32.
+    groups = q.shape[1] // k.shape[1]
+    if groups > 1:
+        k = k.repeat_interleave(groups, dim=1)
+        v = v.repeat_interleave(groups, dim=1)
+    scores = torch.matmul(q, k.transpose(-1, -2)).float() * scale
+    if key_mask is not None:
+        scores = scores.masked_fill(~key_mask[:, None, None, :], MASK_VALUE)
+    probs = torch.softmax(scores, dim=-1).to(v.dtype)
+    return torch.matmul(probs, v)
+
+
+def _sdpa(q, k, v, key_mask, scale):
+    mask = None
+    if key_mask is not None:
+        mask = torch.zeros(key_mask.shape, dtype=q.dtype, device=q.device)
+        mask = mask.masked_fill(~key_mask, MASK_VALUE)[:, None, None, :]
+    groups = q.shape[1] // k.shape[1]
+    if groups > 1 and q.device.type == "cpu":
+        # CPU SDPA kernels do not all support GQA; the expansion is cheap at CPU sizes.
+        k = k.repeat_interleave(groups, dim=1)
+        v = v.repeat_interleave(groups, dim=1)
+        groups = 1
+    return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale, enable_gqa=groups > 1)
+
+
+def _flash(q, k, v, key_mask, scale):
+    from flash_attn import flash_attn_func  # optional dependency, imported lazily
+
+    # flash-attn wants (B, T, Nh, hd); it handles MQA natively. Only unmasked sites are routed here.
+    out = flash_attn_func(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), softmax_scale=scale)
+    return out.transpose(1, 2)
+
+
+def attend(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    key_mask: torch.Tensor | None,
+    scale: float,
+    backend: str,
+) -> torch.Tensor:
+    """Multi-query attention over key-valid masks; returns (B, Nh, T, hd) in v's dtype."""
+    if backend == "sdpa":
+        return _sdpa(q, k, v, key_mask, scale)
+    if backend == "flash":
+        return _flash(q, k, v, key_mask, scale)
+    return _eager(q, k, v, key_mask, scale)
+
+
+@dataclass
+class AttentionConfig:
+    """Which backend each call site asks for: "auto", "eager", "sdpa" or "flash".
+
+    "auto" takes flash-attn where it is importable, on CUDA, in a half dtype and for an unmasked site
+    (vision), and SDPA everywhere else. A request that cannot be served falls back (flash -> sdpa) and
+    the fallback is recorded in `AttentionPlan.reasons`.
+
+    Example:
+        >>> plan = AttentionConfig(prefix="eager").resolve(torch.device("cpu"), torch.float32)
+        >>> plan.vision, plan.prefix, plan.expert
+        ('sdpa', 'eager', 'sdpa')
+    """
+
+    vision: str = "auto"
+    """Backend for the SigLIP tower (unmasked)."""
+    prefix: str = "auto"
+    """Backend for the LM over the prefix (key-padding mask)."""
+    expert: str = "auto"
+    """Backend for the action expert over [prefix K/V | suffix] (key-padding mask)."""
+
+    def __post_init__(self) -> None:
+        for site in SITES:
+            value = getattr(self, site)
+            if value not in (*BACKENDS, "auto"):
+                raise ValueError(
+                    f"AttentionConfig.{site}: expected one of {('auto', *BACKENDS)}, got {value!r}."
+                )
+
+    def resolve(self, device: torch.device, dtype: torch.dtype) -> AttentionPlan:
+        """Pick a concrete backend per site for `device` and `dtype`."""
+        plan = AttentionPlan()
+        has_flash = flash_attn_available()
+        for site in SITES:
+            want = getattr(self, site)
+            flash_ok = has_flash and device.type == "cuda" and dtype in (torch.float16, torch.bfloat16)
+            if want == "auto":
+                choice = "flash" if (flash_ok and site == "vision") else "sdpa"
+                if not has_flash:
+                    plan.reasons[site] = "auto: flash-attn not installed (not run); using sdpa"
+            elif want == "flash" and not (flash_ok and site == "vision"):
+                choice = "sdpa"
+                plan.reasons[site] = (
+                    "flash requested but "
+                    + ("flash-attn is not installed" if not has_flash else "")
+                    + ("the device is not CUDA or dtype not half" if has_flash and not flash_ok else "")
+                    + ("this site is masked (flash path serves unmasked sites only)" if flash_ok else "")
+                    + "; fell back to sdpa"
+                )
+            else:
+                choice = want
+            setattr(plan, site, choice)
+        return plan
+
+
+@dataclass
+class AttentionPlan:
+    """The backend each site uses, and why a request was not honoured (see `AttentionConfig`)."""
+
+    vision: str = "sdpa"
+    prefix: str = "sdpa"
+    expert: str = "sdpa"
+    reasons: dict[str, str] = field(default_factory=dict)
+
+    def report(self) -> dict[str, str]:
+        """Site -> backend, plus `<site>_note` entries for fallbacks."""
+        out = {site: getattr(self, site) for site in SITES}
+        out.update({f"{site}_note": note for site, note in self.reasons.items()})
+        return out

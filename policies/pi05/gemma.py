@@ -1,0 +1,167 @@
+"""Gemma building blocks shared by the PaliGemma LM (prefix stream) and the action expert (suffix stream).
+
+Parameter names follow transformers' Gemma (`self_attn.q_proj`, `mlp.gate_proj`, `input_layernorm`, ...) so that
+LeRobot/openpi checkpoints map by prefix only. The expert's norms are adaptive (adaRMS: a Dense of the time
+condition gives scale | shift | gate); the LM's are plain (1 + w) RMSNorms. Norm statistics run in float32.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from .config import GemmaConfig
+
+Modulation = tuple[torch.Tensor, torch.Tensor, torch.Tensor]
+"""(scale, shift, gate), each (B or 1, 1, width) float32, broadcast over tokens."""
+
+
+def rms_normalize(x: torch.Tensor, eps: float) -> torch.Tensor:
+    """X * rsqrt(mean(x^2) + eps) in float32."""
+    x = x.float()
+    return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps)
+
+
+class RMSNorm(nn.Module):
+    """Gemma RMSNorm with the (1 + w) multiplier, w zero-initialised."""
+
+    def __init__(self, width: int, eps: float) -> None:
+        super().__init__()
+        self.eps = eps
+        self.weight = nn.Parameter(torch.zeros(width))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        """(..., width) -> (..., width) in x's dtype."""
+        return (rms_normalize(x, self.eps) * (1.0 + self.weight.float())).to(x.dtype)
+
+
+class AdaRMSNorm(nn.Module):
+    """Adaptive RMSNorm: `dense(cond)` -> scale | shift | gate; y = r (1 + scale) + shift.
+
+    The checkpoint holds only `dense.{weight,bias}` (zero-initialised kernel: every gated branch starts off).
+    """
+
+    def __init__(self, width: int, eps: float) -> None:
+        super().__init__()
+        self.eps = eps
+        self.dense = nn.Linear(width, 3 * width)
+        nn.init.zeros_(self.dense.weight)
+
+    def modulation(self, cond: torch.Tensor) -> Modulation:
+        """(B, width) float32 condition -> (scale, shift, gate), each (B, 1, width) float32."""
+        m = F.linear(cond.float(), self.dense.weight.float(), self.dense.bias.float())
+        scale, shift, gate = m[:, None, :].chunk(3, dim=-1)
+        return scale, shift, gate
+
+    def forward(self, x: torch.Tensor, mod: Modulation) -> tuple[torch.Tensor, torch.Tensor]:
+        """Normalise x with a precomputed modulation; returns (y, gate) in x's dtype."""
+        scale, shift, gate = mod
+        y = rms_normalize(x, self.eps) * (1.0 + scale) + shift
+        return y.to(x.dtype), gate.to(x.dtype)
+
+
+def rope_cos_sin(positions: torch.Tensor, head_dim: int, theta: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """(B, T) int positions -> cos, sin of shape (B, 1, T, head_dim), float32 (rotate-half layout)."""
+    half = head_dim // 2
+    inv_freq = theta ** (-torch.arange(0, half, device=positions.device, dtype=torch.float32) * 2.0 / head_dim)
+    angles = positions.float()[..., None] * inv_freq  # (B, T, half)
+    angles = torch.cat([angles, angles], dim=-1)[:, None]
+    return angles.cos(), angles.sin()
+
+
+def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """Rotate-half RoPE on (B, N, T, hd); computed in float32, cast back."""
+    xf = x.float()
+    x1, x2 = xf.chunk(2, dim=-1)
+    rotated = torch.cat([-x2, x1], dim=-1)
+    return (xf * cos + rotated * sin).to(x.dtype)
+
+
+class GemmaAttentionProj(nn.Module):
+    """Bias-free q/k/v/o projections: q width -> N*hd, k/v width -> Nkv*hd, o N*hd -> width."""
+
+    def __init__(self, cfg: GemmaConfig) -> None:
+        super().__init__()
+        self.num_heads, self.num_kv_heads, self.head_dim = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
+        self.q_proj = nn.Linear(cfg.width, cfg.num_heads * cfg.head_dim, bias=False)
+        self.k_proj = nn.Linear(cfg.width, cfg.num_kv_heads * cfg.head_dim, bias=False)
+        self.v_proj = nn.Linear(cfg.width, cfg.num_kv_heads * cfg.head_dim, bias=False)
+        self.o_proj = nn.Linear(cfg.num_heads * cfg.head_dim, cfg.width, bias=False)
+
+    def qkv(self, h: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, need_q: bool = True):
+        """(B, T, width) -> q (B, N, T, hd) or None, k and v (B, Nkv, T, hd); RoPE applied to q and k."""
+        b, t, _ = h.shape
+        k = self.k_proj(h).view(b, t, self.num_kv_heads, self.head_dim).transpose(1, 2)
+        v = self.v_proj(h).view(b, t, self.num_kv_heads, self.head_dim).transpose(1, 2)
+        k = apply_rope(k, cos, sin)
+        q = None
+        if need_q:
+            q = self.q_proj(h).view(b, t, self.num_heads, self.head_dim).transpose(1, 2)
+            q = apply_rope(q, cos, sin)
+        return q, k, v
+
+    def out(self, attn: torch.Tensor) -> torch.Tensor:
+        """(B, N, T, hd) -> (B, T, width)."""
+        b, _, t, _ = attn.shape
+        return self.o_proj(attn.transpose(1, 2).reshape(b, t, -1))
+
+
+class GemmaMLP(nn.Module):
+    """GeGLU: down(gelu_tanh(gate(x)) * up(x))."""
+
+    def __init__(self, cfg: GemmaConfig) -> None:
+        super().__init__()
+        self.gate_proj = nn.Linear(cfg.width, cfg.mlp_dim, bias=False)
+        self.up_proj = nn.Linear(cfg.width, cfg.mlp_dim, bias=False)
+        self.down_proj = nn.Linear(cfg.mlp_dim, cfg.width, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        """(..., width) -> (..., width)."""
+        return self.down_proj(F.gelu(self.gate_proj(x), approximate="tanh") * self.up_proj(x))
+
+
+class GemmaLayer(nn.Module):
+    """One decoder layer of either stream; `adaptive` selects adaRMS norms and gated residuals."""
+
+    def __init__(self, cfg: GemmaConfig, adaptive: bool) -> None:
+        super().__init__()
+        norm = AdaRMSNorm if adaptive else RMSNorm
+        self.adaptive = adaptive
+        self.input_layernorm = norm(cfg.width, cfg.eps)
+        self.self_attn = GemmaAttentionProj(cfg)
+        self.post_attention_layernorm = norm(cfg.width, cfg.eps)
+        self.mlp = GemmaMLP(cfg)
+
+
+class GemmaStack(nn.Module):
+    """Layers + final norm (+ token embedding for the LM), named as transformers' `GemmaModel`.
+
+    Example:
+        >>> from policies.pi05.config import GemmaConfig
+        >>> stack = GemmaStack(GemmaConfig(width=16, depth=2, mlp_dim=32, num_heads=2, head_dim=8), adaptive=True)
+        >>> len(stack.layers), stack.norm.dense.out_features
+        (2, 48)
+    """
+
+    def __init__(self, cfg: GemmaConfig, adaptive: bool, vocab_size: int | None = None) -> None:
+        super().__init__()
+        self.cfg = cfg
+        self.adaptive = adaptive
+        if vocab_size is not None:
+            self.embed_tokens = nn.Embedding(vocab_size, cfg.width)
+        self.layers = nn.ModuleList(GemmaLayer(cfg, adaptive) for _ in range(cfg.depth))
+        self.norm = AdaRMSNorm(cfg.width, cfg.eps) if adaptive else RMSNorm(cfg.width, cfg.eps)
+
+    def adaptive_norms(self) -> list[AdaRMSNorm]:
+        """All adaRMS norms in a fixed order: per layer (input, post-attention), then the final norm."""
+        norms: list[AdaRMSNorm] = []
+        for layer in self.layers:
+            norms += [layer.input_layernorm, layer.post_attention_layernorm]
+        return [*norms, self.norm]
+
+    def embed(self, tokens: torch.Tensor) -> torch.Tensor:
+        """Token ids -> embeddings x sqrt(width), the factor cast to the table dtype (applied exactly once)."""
+        table = self.embed_tokens.weight
+        scale = torch.tensor(self.cfg.width**0.5, dtype=table.dtype, device=table.device)
+        return F.embedding(tokens.long(), table) * scale

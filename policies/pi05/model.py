@@ -1,0 +1,268 @@
+"""The PI0.5 network: SigLIP + projector + Gemma prefix stack, and the adaRMS action expert.
+
+What the network *is* lives here; how it runs (buckets, graphs, rollout methods) lives in `sampler.py` and
+`scheduler.py`. Shapes: B batch, n used cameras, P patches per camera, L prompt tokens, T = n*P + L prefix
+tokens, H action horizon, D = 32 padded action dims, W LM width, We expert width.
+
+Inference computes the prefix once (`run_prefix`, LM stream only) and keeps its post-RoPE K/V per layer;
+every denoise step runs only the expert stream over the H action tokens, attending to [valid prefix K/V |
+all action tokens] (`expert_step`). Masked cameras are never keys and do not advance positions, so a masked
+camera is exactly a removed camera.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from .attention import AttentionConfig, AttentionPlan, attend
+from .config import Pi05Config
+from .gemma import AdaRMSNorm, GemmaStack, Modulation, RMSNorm, rope_cos_sin
+from .heads import NoiseHead, ValueHead
+from .siglip import SiglipVisionTower
+
+_DTYPES = {"bfloat16": torch.bfloat16, "float32": torch.float32, "float16": torch.float16}
+
+
+def torch_dtype(name: str) -> torch.dtype:
+    """'bfloat16' -> torch.bfloat16, etc."""
+    return _DTYPES[name]
+
+
+@dataclass
+class PrefixCache:
+    """Per-layer prefix K/V (post-RoPE) and what the suffix needs to attend to it.
+
+    Attributes:
+        keys, values: per layer (B, Nkv, T, hd) in the compute dtype.
+        key_mask: (B, T) bool, True for valid prefix tokens.
+        num_valid: (B,) int64, the number of valid prefix tokens (suffix positions start there).
+        output: (B, T, W) LM final-norm output, only when requested (prefix value source).
+        suffix_offset: when set, `keys`/`values` are static buffers (B, Nkv, T + H, hd) holding the prefix in
+            [:T]; each expert step writes its action-token K/V into [T:] instead of concatenating.
+    """
+
+    keys: list[torch.Tensor]
+    values: list[torch.Tensor]
+    key_mask: torch.Tensor
+    num_valid: torch.Tensor
+    output: torch.Tensor | None = None
+    suffix_offset: int | None = None
+
+
+def sinusoidal_time_embedding(t: torch.Tensor, dim: int, min_period: float, max_period: float) -> torch.Tensor:
+    """(B,) times -> (B, dim) float32 [sin | cos] embedding, computed in float64 as openpi-PyTorch/LeRobot."""
+    fraction = torch.linspace(0.0, 1.0, dim // 2, dtype=torch.float64, device=t.device)
+    period = min_period * (max_period / min_period) ** fraction
+    angle = (2.0 * math.pi) * t.to(torch.float64)[:, None] / period[None, :]
+    return torch.cat([torch.sin(angle), torch.cos(angle)], dim=-1).to(torch.float32)
+
+
+class Pi05Model(nn.Module):
+    """PI0.5 vision-language-action flow model.
+
+    Example:
+        >>> from policies.pi05.config import Pi05Config
+        >>> model = Pi05Model(Pi05Config.tiny())
+        >>> images = torch.zeros(1, 2, 3, 224, 224, dtype=torch.uint8)
+        >>> x0 = model.sample_actions(images, torch.ones(1, 2, dtype=torch.bool),
+        ...                           torch.ones(1, 5, dtype=torch.long), torch.ones(1, 5, dtype=torch.bool),
+        ...                           noise=torch.randn(1, 10, 32), num_steps=2)
+        >>> x0.shape
+        torch.Size([1, 10, 32])
+    """
+
+    def __init__(self, config: Pi05Config, attention: AttentionConfig | None = None) -> None:
+        super().__init__()
+        self.config = config
+        cfg = config
+        self.vision = SiglipVisionTower(cfg.vision)
+        self.projector = nn.Linear(cfg.vision.width, cfg.llm.width)
+        self.llm = GemmaStack(cfg.llm, adaptive=False, vocab_size=cfg.vocab_size)
+        self.expert = GemmaStack(cfg.expert, adaptive=True)
+        self.action_in_proj = nn.Linear(cfg.action_dim, cfg.expert.width)
+        self.action_out_proj = nn.Linear(cfg.expert.width, cfg.action_dim)
+        self.time_mlp_in = nn.Linear(cfg.expert.width, cfg.expert.width)
+        self.time_mlp_out = nn.Linear(cfg.expert.width, cfg.expert.width)
+        self.value_head: ValueHead | None = None
+        if cfg.value_source != "none":
+            in_dim = cfg.llm.width if cfg.value_source == "prefix" else cfg.expert.width
+            self.value_head = ValueHead(in_dim, cfg.value_hidden)
+        self.noise_head: NoiseHead | None = None
+        if cfg.noise_head:
+            self.noise_head = NoiseHead(cfg.expert.width, cfg.noise_hidden, cfg.action_dim, cfg.noise_std_range)
+        self.attention_config = attention or AttentionConfig()
+        self.plan: AttentionPlan = self.attention_config.resolve(torch.device("cpu"), torch.float32)
+
+    # ------------------------------------------------------------------------------------- precision
+    @property
+    def compute_dtype(self) -> torch.dtype:
+        """Dtype of the transformer blocks."""
+        return self.llm.layers[0].mlp.gate_proj.weight.dtype
+
+    def fp32_modules(self) -> list[nn.Module]:
+        """Modules kept in float32 whatever the compute dtype (stem, norms, time MLP, action projections, heads)."""
+        keep: list[nn.Module] = [self.vision.embeddings, self.action_in_proj, self.action_out_proj]
+        keep += [self.time_mlp_in, self.time_mlp_out]
+        keep += [m for m in self.modules() if isinstance(m, (nn.LayerNorm, RMSNorm, AdaRMSNorm))]
+        keep += [m for m in (self.value_head, self.noise_head) if m is not None]
+        return keep
+
+    def set_precision(self, dtype: torch.dtype) -> Pi05Model:
+        """Cast the blocks to `dtype`, keeping the float32 islands; re-resolve attention backends."""
+        self.to(dtype)
+        for module in self.fp32_modules():
+            module.float()
+        self.resolve_attention()
+        return self
+
+    def resolve_attention(self) -> AttentionPlan:
+        """Choose attention backends for the current device and dtype."""
+        device = next(self.parameters()).device
+        self.plan = self.attention_config.resolve(device, self.compute_dtype)
+        return self.plan
+
+    # ---------------------------------------------------------------------------------------- prefix
+    def embed_images(self, images: torch.Tensor) -> torch.Tensor:
+        """(B, n, 3, S, S) uint8 or float in [-1, 1] -> (B, n*P, W): all envs x cameras in one vision pass."""
+        b, n = images.shape[:2]
+        pixels = images.flatten(0, 1)
+        if pixels.dtype == torch.uint8:
+            pixels = pixels.float() * (2.0 / 255.0) - 1.0
+        feats = self.vision(pixels, backend=self.plan.vision, dtype=self.compute_dtype)
+        feats = self.projector(feats.to(self.projector.weight.dtype))  # not rescaled (openpi)
+        return feats.reshape(b, n * feats.shape[1], feats.shape[2])
+
+    def embed_prefix(
+        self, images: torch.Tensor, image_mask: torch.Tensor, tokens: torch.Tensor, token_mask: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Prefix embeddings (B, T, W) in the compute dtype and validity (B, T): [camera tokens | prompt]."""
+        img = self.embed_images(images).to(self.compute_dtype)
+        patches = img.shape[1] // max(images.shape[1], 1)
+        text = self.llm.embed(tokens).to(self.compute_dtype)
+        valid = torch.cat([image_mask.bool().repeat_interleave(patches, dim=1), token_mask.bool()], dim=1)
+        return torch.cat([img, text], dim=1), valid
+
+    def run_prefix(self, emb: torch.Tensor, valid: torch.Tensor, need_output: bool = False) -> PrefixCache:
+        """Run the LM stream over the prefix; keep per-layer K/V.
+
+        The last layer only computes its K/V unless `need_output` (prefix value source): nothing else of it
+        reaches the actions.
+        """
+        cfg = self.config.llm
+        positions = torch.cumsum(valid.long(), dim=1) - 1
+        cos, sin = rope_cos_sin(positions, cfg.head_dim, cfg.rope_theta)
+        scale = cfg.head_dim**-0.5
+        keys: list[torch.Tensor] = []
+        values: list[torch.Tensor] = []
+        x = emb
+        for i, layer in enumerate(self.llm.layers):
+            last = i == len(self.llm.layers) - 1
+            q, k, v = layer.self_attn.qkv(layer.input_layernorm(x), cos, sin, need_q=not last or need_output)
+            keys.append(k)
+            values.append(v)
+            if last and not need_output:
+                break
+            x = x + layer.self_attn.out(attend(q, k, v, valid, scale, self.plan.prefix))
+            x = x + layer.mlp(layer.post_attention_layernorm(x))
+        output = self.llm.norm(x) if need_output else None
+        return PrefixCache(keys, values, valid, valid.long().sum(dim=1), output)
+
+    # ---------------------------------------------------------------------------------------- expert
+    def time_condition(self, t: torch.Tensor) -> torch.Tensor:
+        """(B,) times -> (B, We) float32 adaRMS condition: swish(out(swish(in(sincos(t)))))."""
+        emb = sinusoidal_time_embedding(t, self.config.expert.width, self.config.min_period, self.config.max_period)
+        hidden = F.silu(self.time_mlp_in(emb))
+        return F.silu(self.time_mlp_out(hidden))
+
+    def modulations(self, cond: torch.Tensor) -> list[Modulation]:
+        """(B, We) condition -> one (scale, shift, gate) per adaRMS norm (2 per layer, then the final norm)."""
+        return [norm.modulation(cond) for norm in self.expert.adaptive_norms()]
+
+    def expert_step(self, cache: PrefixCache, x_t: torch.Tensor, mods: list[Modulation]) -> torch.Tensor:
+        """One expert pass at the noisy actions x_t (B, H, D) -> final-norm output (B, H, We) float32."""
+        cfg = self.config.expert
+        b, h, _ = x_t.shape
+        x = self.action_in_proj(x_t.float()).to(self.compute_dtype)
+        offsets = torch.arange(h, device=x_t.device)
+        positions = cache.num_valid[:, None] + offsets[None, :]
+        cos, sin = rope_cos_sin(positions, cfg.head_dim, cfg.rope_theta)
+        key_mask = torch.cat([cache.key_mask, torch.ones(b, h, dtype=torch.bool, device=x_t.device)], dim=1)
+        scale = cfg.head_dim**-0.5
+        for i, layer in enumerate(self.expert.layers):
+            hidden, gate = layer.input_layernorm(x, mods[2 * i])
+            q, k, v = layer.self_attn.qkv(hidden, cos, sin)
+            if cache.suffix_offset is None:
+                k = torch.cat([cache.keys[i], k], dim=2)
+                v = torch.cat([cache.values[i], v], dim=2)
+            else:  # write into the static cache tail and attend over the whole view
+                cache.keys[i][:, :, cache.suffix_offset :].copy_(k)
+                cache.values[i][:, :, cache.suffix_offset :].copy_(v)
+                k, v = cache.keys[i], cache.values[i]
+            x = x + layer.self_attn.out(attend(q, k, v, key_mask, scale, self.plan.expert)) * gate
+            hidden, gate = layer.post_attention_layernorm(x, mods[2 * i + 1])
+            x = x + layer.mlp(hidden) * gate
+        out, _ = self.expert.norm(x, mods[-1])
+        return out.float()
+
+    def velocity(self, suffix_out: torch.Tensor) -> torch.Tensor:
+        """Expert output (B, H, We) -> velocity v (B, H, D) float32."""
+        return self.action_out_proj(suffix_out.float())
+
+    # ------------------------------------------------------------------------------------------ heads
+    def prefix_value(self, cache: PrefixCache) -> torch.Tensor:
+        """Critic on the mean LM output over valid prefix tokens -> (B,)."""
+        assert cache.output is not None and self.value_head is not None
+        w = cache.key_mask.float()[..., None]
+        pooled = (cache.output.float() * w).sum(dim=1) / w.sum(dim=1).clamp_min(1.0)
+        return self.value_head(pooled)
+
+    def suffix_value(self, suffix_out: torch.Tensor, positions: int | None = None) -> torch.Tensor:
+        """Critic on the expert output pooled over the first `positions` (default all H) tokens -> (B,)."""
+        assert self.value_head is not None
+        pooled = suffix_out[:, : positions or suffix_out.shape[1]].float().mean(dim=1)
+        return self.value_head(pooled)
+
+    # ---------------------------------------------------------------------------------------- sampling
+    @torch.no_grad()
+    def sample_actions(
+        self,
+        images: torch.Tensor,
+        image_mask: torch.Tensor,
+        tokens: torch.Tensor,
+        token_mask: torch.Tensor,
+        noise: torch.Tensor,
+        num_steps: int | None = None,
+    ) -> torch.Tensor:
+        """Deterministic Euler flow sampling from x_1 = noise to x_0 (openpi convention), (B, H, D) float32.
+
+        t_i = 1 - i/K (i = 0..K-1), dt = -1/K; the prefix is computed once and its K/V reused every step.
+        """
+        k_steps = num_steps or self.config.num_steps
+        emb, valid = self.embed_prefix(images, image_mask, tokens, token_mask)
+        cache = self.run_prefix(emb, valid)
+        x = noise.float()
+        times = torch.linspace(1.0, 1.0 / k_steps, k_steps, dtype=torch.float32, device=x.device)
+        for i in range(k_steps):
+            t = times[i].expand(x.shape[0])
+            v = self.velocity(self.expert_step(cache, x, self.modulations(self.time_condition(t))))
+            x = x - (1.0 / k_steps) * v
+        return x
+
+
+def randomize_parameters_(module: nn.Module, seed: int, std: float = 0.05) -> nn.Module:
+    """Fill every parameter with seeded N(0, std) values (norm weights/biases too).
+
+    Zero-initialised adaRMS denses and RMSNorm weights would hide wiring errors in tests and make a random
+    demo policy degenerate, so tests and the demo randomise everything.
+    """
+    gen = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for _, param in sorted(module.named_parameters(), key=lambda kv: kv[0]):
+            values = torch.randn(param.shape, generator=gen, dtype=torch.float32) * std
+            param.copy_(values.to(param.dtype))
+    return module

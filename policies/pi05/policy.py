@@ -1,0 +1,384 @@
+"""`Pi05Policy`: processor -> scheduler (graphs on CUDA, eager on CPU) -> env-space action chunks.
+
+The policy owns per-env random streams (DESIGN C3), the rollout settings, the weight version, and the
+weight-sync hook (`weight_sync.py`). `act()` is serialised by a lock; on CUDA it returns once the replays
+are queued, and a weight commit is ordered after them on the compute stream (C6).
+"""
+
+from __future__ import annotations
+
+import json
+import threading
+from collections.abc import Mapping, Sequence
+from dataclasses import asdict, dataclass, replace
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from ..base import PolicyOutput, RolloutHeader
+from ..rng import StreamTable
+from .attention import AttentionConfig
+from .checkpoint import LoadReport, load_config, load_weights, save_weights
+from .config import Pi05Config
+from .evaluate import EvalOutput, evaluate_rollout
+from .inputs import ModelInputs
+from .model import Pi05Model, randomize_parameters_, torch_dtype
+from .sampler import SamplingOptions
+from .scheduler import Pi05Scheduler, SchedulerConfig
+
+
+@dataclass
+class RolloutConfig:
+    """Rollout settings of a policy (per-call `act()` arguments override C).
+
+    Attributes:
+        method: "ode", "sde" or "noise" for stochastic calls (`deterministic=True` always uses "ode").
+        num_steps: K denoise steps (must be declared in the scheduler).
+        noise_level: a, the SDE noise level (a graph input: changing it never recaptures).
+        joint: joint SDE log-prob over all steps.
+        shared_j: one stochastic step for the whole batch (RLinf).
+        ignore_last: never choose the last step as the stochastic one.
+        action_chunk: C, env steps executed per call.
+        trainable: "expert" (expert, action/time projections and heads; RLinf's default) or "all".
+    """
+
+    method: str = "sde"
+    num_steps: int = 10
+    noise_level: float = 0.5
+    joint: bool = False
+    shared_j: bool = False
+    ignore_last: bool = False
+    action_chunk: int = 5
+    trainable: str = "expert"
+
+    def __post_init__(self) -> None:
+        if self.trainable not in ("expert", "all"):
+            raise ValueError(f"trainable: expected 'expert' or 'all', got {self.trainable!r}.")
+
+
+class Pi05Policy:
+    """PI0.5 policy over canonical observations (DESIGN C1), usable without Gymnasium.
+
+    Example:
+        >>> import numpy as np
+        >>> from policies.pi05 import Pi05Config, Pi05Policy
+        >>> policy = Pi05Policy.from_config(Pi05Config.tiny(), action_dim=7, seed=0)  # doctest: +SKIP
+        >>> obs = {"images": {"image": np.zeros((2, 64, 64, 3), np.uint8)},
+        ...        "state": np.zeros((2, 8), np.float32), "task": ["push", "push"]}  # doctest: +SKIP
+        >>> policy.act(obs).actions.shape  # doctest: +SKIP
+        torch.Size([2, 5, 7])
+    """
+
+    def __init__(
+        self,
+        model: Pi05Model,
+        processor: Any,
+        rollout: RolloutConfig | None = None,
+        scheduler: SchedulerConfig | None = None,
+    ) -> None:
+        self.model = model
+        self.processor = processor
+        self.device = next(model.parameters()).device
+        self.rollout = rollout or RolloutConfig(num_steps=model.config.num_steps)
+        if self.rollout.action_chunk > model.config.action_horizon:
+            raise ValueError(
+                f"rollout.action_chunk: expected <= action_horizon ({model.config.action_horizon}), "
+                f"got {self.rollout.action_chunk}."
+            )
+        if scheduler is None:
+            scheduler = SchedulerConfig(
+                max_batch_size=64,
+                num_steps=(self.rollout.num_steps,),
+                camera_sets=(tuple(processor.slots),),
+                prompt_buckets=tuple(getattr(processor, "prompt_buckets", (16, 48, 112, 200))),
+            )
+        self.scheduler = Pi05Scheduler(model, scheduler)
+        self.streams = StreamTable(self.device)
+        self.weight_version = 0
+        self._lock = threading.RLock()
+        self._closed = False
+        self.model.eval()
+        self.set_trainable(self.rollout.trainable)
+        self.scheduler.setup()
+
+    # ------------------------------------------------------------------------------------ properties
+    @property
+    def config(self) -> Pi05Config:
+        """The model geometry."""
+        return self.model.config
+
+    @property
+    def action_horizon(self) -> int:
+        """H: the largest action chunk C a call can return."""
+        return self.model.config.action_horizon
+
+    @property
+    def action_dim(self) -> int:
+        """A: env action dims."""
+        return int(self.processor.action_dim)
+
+    # ---------------------------------------------------------------------------------- construction
+    @classmethod
+    def from_config(
+        cls,
+        config: Pi05Config,
+        processor: Any = None,
+        *,
+        action_dim: int = 7,
+        device: str | torch.device = "cpu",
+        dtype: str | None = None,
+        seed: int | None = 0,
+        rollout: RolloutConfig | None = None,
+        scheduler: SchedulerConfig | None = None,
+        attention: AttentionConfig | None = None,
+        **processor_kwargs: Any,
+    ) -> Pi05Policy:
+        """A policy with fresh weights (all randomised with `seed` unless seed is None)."""
+        from .processor import Pi05Processor
+
+        with torch.device(device):
+            model = Pi05Model(config, attention)
+        if seed is not None:
+            randomize_parameters_(model, seed)
+        model.set_precision(torch_dtype(dtype or config.dtype))
+        if processor is None:
+            processor = Pi05Processor.for_config(config, action_dim=action_dim, device=device, **processor_kwargs)
+        return cls(model, processor, rollout, scheduler)
+
+    @classmethod
+    def from_pretrained(
+        cls,
+        path: str | Path,
+        *,
+        preset: str | None = None,
+        device: str | torch.device = "cpu",
+        dtype: str | None = None,
+        max_batch_size: int = 64,
+        strict: bool = True,
+        rollout: RolloutConfig | None = None,
+        scheduler: SchedulerConfig | None = None,
+        attention: AttentionConfig | None = None,
+    ) -> Pi05Policy:
+        """Load a safetensors checkpoint folder (ours, LeRobot or openpi-PyTorch layout) plus its processor."""
+        from .processor import Pi05Processor
+
+        config = load_config(path)
+        processor = Pi05Processor.from_pretrained(path, preset=preset, device=device)
+        preset_h = getattr(processor, "action_horizon", None)
+        if preset_h and preset_h != config.action_horizon:
+            config = replace(config, action_horizon=int(preset_h))
+        with torch.device(device):
+            model = Pi05Model(config, attention)
+        model.set_precision(torch_dtype(dtype or config.dtype))
+        report = load_weights(model, path, strict=strict)
+        policy_file = Path(path) / "policy_config.json"
+        if rollout is None and policy_file.exists():
+            rollout = RolloutConfig(**json.loads(policy_file.read_text())["rollout"])
+        if rollout is None:
+            chunk = int(getattr(processor, "action_chunk", min(5, config.action_horizon)))
+            rollout = RolloutConfig(num_steps=config.num_steps, action_chunk=chunk)
+        if scheduler is None:
+            scheduler = SchedulerConfig(
+                max_batch_size=max_batch_size, num_steps=(rollout.num_steps,), camera_sets=(tuple(processor.slots),)
+            )
+        policy = cls(model, processor, rollout, scheduler)
+        policy.load_report = report
+        return policy
+
+    def save_pretrained(self, path: str | Path) -> Path:
+        """Write config.json, model.safetensors, the processor files and the rollout settings."""
+        root = Path(path)
+        root.mkdir(parents=True, exist_ok=True)
+        self.config.save(root / "config.json")
+        save_weights(self.model, root)
+        self.processor.save_pretrained(root)
+        (root / "policy_config.json").write_text(json.dumps({"rollout": asdict(self.rollout)}, indent=2) + "\n")
+        return root
+
+    load_report: LoadReport | None = None
+
+    # -------------------------------------------------------------------------------------- settings
+    def set_trainable(self, which: str) -> None:
+        """Mark the trainable subset: "expert" (expert, projections, time MLP, heads) or "all"."""
+        self.rollout = replace(self.rollout, trainable=which)
+        m = self.model
+        expert_side = [m.expert, m.action_in_proj, m.action_out_proj, m.time_mlp_in, m.time_mlp_out]
+        expert_side += [h for h in (m.value_head, m.noise_head) if h is not None]
+        for p in m.parameters():
+            p.requires_grad_(which == "all")
+        for module in expert_side:
+            for p in module.parameters():
+                p.requires_grad_(True)
+
+    def trainable_parameters(self) -> list[tuple[str, torch.nn.Parameter]]:
+        """(name, parameter) of the trainable subset."""
+        return [(n, p) for n, p in self.model.named_parameters() if p.requires_grad]
+
+    def sampling_options(self, deterministic: bool = False, action_chunk: int | None = None) -> SamplingOptions:
+        """The per-call options `act()` would use."""
+        r = self.rollout
+        chunk = r.action_chunk if action_chunk is None else action_chunk
+        if not 1 <= chunk <= self.action_horizon:
+            raise ValueError(f"action_chunk: expected 1..{self.action_horizon} (the model horizon), got {chunk}.")
+        return SamplingOptions(
+            method="ode" if deterministic else r.method,
+            num_steps=r.num_steps,
+            noise_level=r.noise_level,
+            joint=r.joint,
+            shared_j=r.shared_j,
+            ignore_last=r.ignore_last,
+            action_chunk=chunk,
+            action_dim=self.action_dim,
+        )
+
+    def header(self, opts: SamplingOptions) -> RolloutHeader:
+        """The header a call with `opts` carries."""
+        return RolloutHeader(
+            weight_version=self.weight_version,
+            method=opts.method,
+            num_steps=opts.num_steps,
+            noise_level=float(opts.noise_level),
+            action_chunk=opts.action_chunk,
+            action_dim=opts.action_dim,
+            value_source=self.config.value_source if self.model.value_head is not None else "none",
+            joint=opts.is_joint,
+        )
+
+    # ------------------------------------------------------------------------------------------- act
+    def _env_ids(self, n: int, env_ids: Sequence[int] | torch.Tensor | None) -> tuple[torch.Tensor, int]:
+        if env_ids is None:
+            return torch.arange(n, device=self.device), n
+        ids = torch.as_tensor(env_ids, dtype=torch.int64)
+        if ids.ndim != 1 or ids.shape[0] != n:
+            raise ValueError(f"env_ids: expected {n} ids (one per observation row), got shape {tuple(ids.shape)}.")
+        upper = int(ids.max()) + 1 if ids.device.type == "cpu" else None
+        return ids.to(self.device), upper or n
+
+    def _streams(self, n: int, seeds, env_ids, advance: bool) -> tuple[torch.Tensor, torch.Tensor]:
+        ids, upper = self._env_ids(n, env_ids)
+        if seeds is not None:
+            seed_t = torch.as_tensor(seeds, dtype=torch.int64)
+            if seed_t.ndim == 0:
+                seed_t = seed_t + torch.arange(n)
+            if seed_t.shape != (n,):
+                raise ValueError(f"seeds: expected an int or {n} seeds, got shape {tuple(seed_t.shape)}.")
+            self.streams.set_seeds(ids, seed_t.to(self.device), upper)
+        return self.streams.take(ids, upper, advance=advance)
+
+    def act_inputs(
+        self,
+        inputs: ModelInputs,
+        *,
+        deterministic: bool = False,
+        seeds: Sequence[int] | torch.Tensor | None = None,
+        env_ids: Sequence[int] | torch.Tensor | None = None,
+        action_chunk: int | None = None,
+    ) -> PolicyOutput:
+        """`act()` on already processed inputs."""
+        self._check_open()
+        opts = self.sampling_options(deterministic, action_chunk)
+        with self._lock:
+            seeds_t, counters = self._streams(inputs.batch_size, seeds, env_ids, advance=True)
+            out, inds = self.scheduler.rollout(inputs, seeds_t, counters, opts)
+            model_actions = out.chain[:, -1]
+            actions = self.processor.postprocess(model_actions, opts.action_chunk)
+            elements = out.log_prob_elements[:, : opts.action_chunk, : opts.action_dim]
+            return PolicyOutput(
+                actions=actions,
+                log_prob=elements.sum(dim=(1, 2)),
+                log_prob_elements=elements,
+                values=out.values,
+                model_actions=model_actions,
+                chains=out.chain,
+                denoise_inds=inds,
+                inputs=inputs,
+                header=self.header(opts),
+            )
+
+    def act(
+        self,
+        obs: Mapping[str, Any],
+        *,
+        deterministic: bool = False,
+        seeds: Sequence[int] | torch.Tensor | None = None,
+        env_ids: Sequence[int] | torch.Tensor | None = None,
+        action_chunk: int | None = None,
+    ) -> PolicyOutput:
+        """Actions (N, C, A), log-probs, values and what `evaluate()` needs, for N canonical observations."""
+        self._check_open()
+        with self._lock:
+            inputs = self.processor(obs)
+            return self.act_inputs(
+                inputs, deterministic=deterministic, seeds=seeds, env_ids=env_ids, action_chunk=action_chunk
+            )
+
+    def value(
+        self, obs: Mapping[str, Any], *, env_ids: Sequence[int] | torch.Tensor | None = None
+    ) -> torch.Tensor:
+        """(N,) critic values: prefix only for the prefix source, the ODE chain from the env's stream for suffix."""
+        self._check_open()
+        with self._lock:
+            inputs = self.processor(obs)
+            n = inputs.batch_size
+            if self.model.value_head is None:
+                return torch.zeros(n, device=self.device)
+            if self.config.value_source == "prefix":
+                return self.scheduler.prefix_value(inputs)
+            seeds_t, counters = self._streams(n, None, env_ids, advance=False)
+            out, _ = self.scheduler.rollout(inputs, seeds_t, counters, self.sampling_options(deterministic=True))
+            return out.values
+
+    # -------------------------------------------------------------------------------------- evaluate
+    def evaluate(self, batch: PolicyOutput) -> EvalOutput:
+        """Differentiable log-probs, values and entropy of a stored rollout batch (for the PPO ratio).
+
+        The batch's header must match this policy's settings (method, K, a, C, A, value source, joint);
+        the weight version may differ (that is the point of the ratio).
+        """
+        if batch.chains is None or batch.denoise_inds is None or batch.inputs is None:
+            raise ValueError("evaluate(batch): the batch lacks chains/denoise_inds/inputs; pass act() outputs.")
+        h = batch.header
+        opts = SamplingOptions(
+            method=h.method,
+            num_steps=h.num_steps,
+            noise_level=h.noise_level,
+            joint=h.joint and h.method == "sde",
+            action_chunk=h.action_chunk,
+            action_dim=h.action_dim,
+        )
+        mine = self.header(replace(opts, noise_level=self.rollout.noise_level))
+        expected = {
+            "method": (self.rollout.method, h.method),
+            "num_steps": (self.rollout.num_steps, h.num_steps),
+            "noise_level": (self.rollout.noise_level, h.noise_level),
+            "value_source": (mine.value_source, h.value_source),
+            "action_dim": (self.action_dim, h.action_dim),
+        }
+        if h.method != "ode":
+            expected["joint"] = (self.sampling_options().is_joint, h.joint)
+        for name, (want, got) in expected.items():
+            if (abs(want - got) > 1e-12) if isinstance(want, float) else (want != got):
+                raise ValueError(
+                    f"evaluate(batch): header {name} is {got!r} but this policy uses {want!r}; evaluate with "
+                    "the settings the rollout used (or re-collect the batch)."
+                )
+        return evaluate_rollout(
+            self.model,
+            batch.inputs,
+            batch.chains,
+            batch.denoise_inds,
+            opts,
+            train_prefix=self.rollout.trainable == "all",
+        )
+
+    # --------------------------------------------------------------------------------------- lifecycle
+    def _check_open(self) -> None:
+        if self._closed:
+            raise RuntimeError("Pi05Policy is closed; create a new policy.")
+
+    def close(self) -> None:
+        """Release graphs and buffers; further calls raise."""
+        with self._lock:
+            self._closed = True
+            self.scheduler = None  # type: ignore[assignment]

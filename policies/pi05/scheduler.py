@@ -1,0 +1,378 @@
+"""The PI0.5 scheduler: static buffers, batch/prompt buckets, and CUDA graphs for the prefix and denoise loop.
+
+`setup()` allocates every static tensor once at maximum shape (pixels, tokens, per-env seeds/counters, the
+rollout switches, the prefix K/V cache with room for the H action tokens, outputs) and, on CUDA, captures
+  prefix graphs  keyed by (batch bucket, prompt bucket, camera set)
+  denoise graphs keyed by (batch bucket, prompt bucket, camera set, K)
+largest batch first into one memory pool. A call pads N to the smallest bucket >= N (pad rows get harmless
+values), replays, and copies the real rows out, so results never alias static memory. N > max_batch_size is
+split. Without CUDA the very same staged functions run eagerly on the same buffers (what CI exercises).
+
+Graph keys include the camera set for the denoise loop too: its K/V length depends on how many cameras are
+used. Deployments declare one camera set, so this adds no graphs in practice.
+"""
+
+from __future__ import annotations
+
+import bisect
+import time
+from dataclasses import dataclass, field
+
+import torch
+
+from .inputs import ModelInputs
+from .model import Pi05Model, PrefixCache
+from .rollout import RolloutOutputs, RolloutTables, prefix_values, run_denoise_stage, run_prefix_stage
+from .sampler import ControlInputs, SamplingOptions, controls, draw_noise
+
+
+class GraphKeyError(ValueError):
+    """A request outside what `setup()` declared (K value, camera set, prompt length)."""
+
+
+class CaptureError(RuntimeError):
+    """CUDA graph capture failed."""
+
+
+def default_batch_buckets(max_batch_size: int) -> tuple[int, ...]:
+    """1, 2, 4, ... up to max_batch_size (max_batch_size itself always included)."""
+    buckets = [b for b in (1, 2, 4, 8, 16, 32, 64, 128, 256, 512) if b < max_batch_size]
+    return (*buckets, max_batch_size)
+
+
+@dataclass
+class SchedulerConfig:
+    """What `setup()` allocates and captures.
+
+    Attributes:
+        max_batch_size: largest batch one replay serves; larger N is split.
+        batch_buckets: captured batch sizes (default 1, 2, 4, ... up to max_batch_size).
+        prompt_buckets: captured prompt lengths (capped at the model's max_token_len).
+        num_steps: declared K values (time and adaRMS tables per K).
+        camera_sets: declared sets of used camera slots, e.g. ((0, 1),) for LIBERO.
+        cuda_graphs: capture graphs on CUDA (False: run eagerly on the static buffers).
+    """
+
+    max_batch_size: int = 64
+    batch_buckets: tuple[int, ...] | None = None
+    prompt_buckets: tuple[int, ...] = (16, 48, 112, 200)
+    num_steps: tuple[int, ...] = (10,)
+    camera_sets: tuple[tuple[int, ...], ...] = ((0, 1, 2),)
+    cuda_graphs: bool = True
+
+    def __post_init__(self) -> None:
+        if self.max_batch_size < 1:
+            raise ValueError(f"max_batch_size: expected >= 1, got {self.max_batch_size}.")
+        self.batch_buckets = tuple(sorted(set(self.batch_buckets or default_batch_buckets(self.max_batch_size))))
+        if self.batch_buckets[-1] != self.max_batch_size:
+            raise ValueError(
+                f"batch_buckets: the largest bucket must equal max_batch_size ({self.max_batch_size}), "
+                f"got {self.batch_buckets}."
+            )
+        self.prompt_buckets = tuple(sorted(set(self.prompt_buckets)))
+        self.num_steps = tuple(sorted(set(self.num_steps)))
+        self.camera_sets = tuple(tuple(sorted(c)) for c in self.camera_sets)
+
+
+@dataclass
+class _Buffers:
+    images: torch.Tensor  # (Bmax, 3 slots, 3, S, S) uint8
+    image_mask: torch.Tensor  # (Bmax, 3) bool
+    tokens: torch.Tensor  # (Bmax, Lmax) int32
+    lengths: torch.Tensor  # (Bmax,) int32
+    seeds: torch.Tensor  # (Bmax,) int64
+    counters: torch.Tensor  # (Bmax,) int64
+    switches: dict[str, torch.Tensor]
+    keys: list[torch.Tensor]  # per layer (Bmax, Nkv, Tmax + H, hd)
+    values: list[torch.Tensor]
+    key_mask: torch.Tensor  # (Bmax, Tmax) bool
+    num_valid: torch.Tensor  # (Bmax,) int64
+    prefix_value: torch.Tensor  # (Bmax,) float32
+    chain: torch.Tensor  # (Bmax, Kmax+1, H, D) float32
+    log_prob: torch.Tensor  # (Bmax, H, D) float32
+    out_values: torch.Tensor  # (Bmax,) float32
+    denoise_inds: torch.Tensor  # (Bmax, Kmax) int64
+
+
+@dataclass
+class SchedulerStats:
+    """Counters for tests and benchmarks (captures must not grow on the hot path)."""
+
+    captures: int = 0
+    replays: int = 0
+    eager_calls: int = 0
+    setup_seconds: float = 0.0
+    graph_keys: list[tuple] = field(default_factory=list)
+
+
+class Pi05Scheduler:
+    """Owns static buffers and graphs for one model on one device.
+
+    Example:
+        >>> from policies.pi05.config import Pi05Config
+        >>> model = Pi05Model(Pi05Config.tiny())
+        >>> sched = Pi05Scheduler(model, SchedulerConfig(max_batch_size=4, num_steps=(5,), prompt_buckets=(16,)))
+        >>> sched.setup()
+        >>> sched.bucket_for(3)
+        4
+    """
+
+    def __init__(self, model: Pi05Model, config: SchedulerConfig) -> None:
+        self.model = model
+        self.config = config
+        self.device = next(model.parameters()).device
+        cap = model.config.max_token_len
+        self.prompt_buckets = tuple(b for b in config.prompt_buckets if b < cap) + (cap,)
+        self.use_graphs = config.cuda_graphs and self.device.type == "cuda"
+        self.tables: RolloutTables | None = None
+        self.buffers: _Buffers | None = None
+        self.stats = SchedulerStats()
+        self._prefix_graphs: dict[tuple, torch.cuda.CUDAGraph] = {}
+        self._denoise_graphs: dict[tuple, torch.cuda.CUDAGraph] = {}
+        self._pool = None
+
+    # ------------------------------------------------------------------------------------------ setup
+    def setup(self) -> None:
+        """Allocate static buffers at maximum shape, build per-K tables, and capture graphs (CUDA)."""
+        start = time.perf_counter()
+        cfg, mcfg = self.config, self.model.config
+        self.tables = RolloutTables(self.model, cfg.num_steps)
+        dev, bmax, lmax = self.device, cfg.max_batch_size, self.prompt_buckets[-1]
+        s, h, d, kmax = mcfg.vision.image_size, mcfg.action_horizon, mcfg.action_dim, max(cfg.num_steps)
+        tmax = len(mcfg.camera_slots) * mcfg.vision.num_patches + lmax
+        kv_shape = (bmax, mcfg.llm.num_kv_heads, tmax + h, mcfg.llm.head_dim)
+        dtype = self.model.compute_dtype
+        probe = ControlInputs.from_options(SamplingOptions(num_steps=kmax), h, d, False, dev)
+        self.buffers = _Buffers(
+            images=torch.zeros(bmax, len(mcfg.camera_slots), 3, s, s, dtype=torch.uint8, device=dev),
+            image_mask=torch.ones(bmax, len(mcfg.camera_slots), dtype=torch.bool, device=dev),
+            tokens=torch.zeros(bmax, lmax, dtype=torch.int32, device=dev),
+            lengths=torch.ones(bmax, dtype=torch.int32, device=dev),
+            seeds=torch.zeros(bmax, dtype=torch.int64, device=dev),
+            counters=torch.zeros(bmax, dtype=torch.int64, device=dev),
+            switches={k: v.clone() for k, v in probe.tensors().items()},
+            keys=[torch.zeros(kv_shape, dtype=dtype, device=dev) for _ in range(mcfg.llm.depth)],
+            values=[torch.zeros(kv_shape, dtype=dtype, device=dev) for _ in range(mcfg.llm.depth)],
+            key_mask=torch.zeros(bmax, tmax, dtype=torch.bool, device=dev),
+            num_valid=torch.zeros(bmax, dtype=torch.int64, device=dev),
+            prefix_value=torch.zeros(bmax, device=dev),
+            chain=torch.zeros(bmax, kmax + 1, h, d, device=dev),
+            log_prob=torch.zeros(bmax, h, d, device=dev),
+            out_values=torch.zeros(bmax, device=dev),
+            denoise_inds=torch.zeros(bmax, kmax, dtype=torch.int64, device=dev),
+        )
+        if self.use_graphs:
+            self._capture_all()
+        self.stats.setup_seconds = time.perf_counter() - start
+
+    def _capture_all(self) -> None:
+        cfg = self.config
+        self._pool = torch.cuda.graph_pool_handle()
+        side = torch.cuda.Stream(self.device)
+        side.wait_stream(torch.cuda.current_stream(self.device))
+        with torch.cuda.stream(side):  # warm-up: cuBLAS workspaces, lazy inits
+            for cams in cfg.camera_sets:
+                self._prefix_stage(cfg.batch_buckets[-1], self.prompt_buckets[-1], cams)
+                for k in cfg.num_steps:
+                    self._denoise_stage(cfg.batch_buckets[-1], self.prompt_buckets[-1], cams, k)
+        torch.cuda.current_stream(self.device).wait_stream(side)
+        torch.cuda.synchronize(self.device)
+        try:
+            for b in sorted(cfg.batch_buckets, reverse=True):
+                for length in self.prompt_buckets:
+                    for cams in cfg.camera_sets:
+                        self._capture(self._prefix_graphs, (b, length, cams), self._prefix_stage, b, length, cams)
+                        for k in cfg.num_steps:
+                            key = (b, length, cams, k)
+                            self._capture(self._denoise_graphs, key, self._denoise_stage, b, length, cams, k)
+        except RuntimeError as err:
+            raise CaptureError(
+                f"CUDA graph capture failed ({err}). Remedies: (1) a smaller max_batch_size; (2) fewer "
+                "batch_buckets, prompt_buckets, num_steps or camera_sets; (3) cuda_graphs=False to run "
+                "eagerly (slower, same results)."
+            ) from err
+
+    def _capture(self, registry: dict, key: tuple, fn, *args) -> None:
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph, pool=self._pool):
+            fn(*args)
+        registry[key] = graph
+        self.stats.captures += 1
+        self.stats.graph_keys.append(key)
+
+    # ------------------------------------------------------------------------------------ stage bodies
+    def _prefix_stage(self, b: int, length: int, cams: tuple[int, ...]) -> None:
+        """Static buffers [:b] -> prefix K/V in the cache buffers, key mask, positions, prefix value."""
+        buf = self.buffers
+        assert buf is not None
+        images = buf.images[:b, list(cams)] if len(cams) < buf.images.shape[1] else buf.images[:b]
+        cache = run_prefix_stage(self.model, images, buf.image_mask[:b, list(cams)], buf.tokens[:b, :length],
+                                 buf.lengths[:b])
+        t = cache.key_mask.shape[1]
+        for i, (k, v) in enumerate(zip(cache.keys, cache.values)):
+            buf.keys[i][:b, :, :t].copy_(k)
+            buf.values[i][:b, :, :t].copy_(v)
+        buf.key_mask[:b, :t].copy_(cache.key_mask)
+        buf.num_valid[:b].copy_(cache.num_valid)
+        value = prefix_values(self.model, cache)
+        if value is not None:
+            buf.prefix_value[:b].copy_(value)
+
+    def _cache_view(self, b: int, t: int) -> PrefixCache:
+        buf = self.buffers
+        assert buf is not None
+        h = self.model.config.action_horizon
+        keys = [k[:b, :, : t + h] for k in buf.keys]
+        values = [v[:b, :, : t + h] for v in buf.values]
+        return PrefixCache(keys, values, buf.key_mask[:b, :t], buf.num_valid[:b], suffix_offset=t)
+
+    def _denoise_stage(self, b: int, length: int, cams: tuple[int, ...], k: int) -> None:
+        """Static buffers [:b] -> chain, log-probs, values, denoise indices for K = k."""
+        buf, mcfg = self.buffers, self.model.config
+        assert buf is not None and self.tables is not None
+        t = len(cams) * mcfg.vision.num_patches + length
+        cache = self._cache_view(b, t)
+        seeds, counters = buf.seeds[:b], buf.counters[:b]
+        x0, xi = draw_noise(seeds, counters, k, mcfg.action_horizon, mcfg.action_dim)
+        ctrl, inds = controls(ControlInputs(**buf.switches), seeds, counters, k)
+        has_prefix_value = mcfg.value_source == "prefix" and self.model.value_head is not None
+        prefix_value = buf.prefix_value[:b] if has_prefix_value else None
+        out = run_denoise_stage(self.model, cache, self.tables[k], x0, xi, ctrl, prefix_value)
+        buf.chain[:b, : k + 1].copy_(out.chain)
+        buf.log_prob[:b].copy_(out.log_prob_elements)
+        buf.out_values[:b].copy_(out.values)
+        buf.denoise_inds[:b, :k].copy_(inds)
+
+    # --------------------------------------------------------------------------------------- requests
+    def bucket_for(self, n: int) -> int:
+        """Smallest captured batch bucket >= n (n <= max_batch_size)."""
+        buckets = self.config.batch_buckets
+        assert buckets is not None
+        return buckets[bisect.bisect_left(buckets, n)]
+
+    def prompt_bucket_for(self, length: int) -> int:
+        """Smallest prompt bucket >= length."""
+        i = bisect.bisect_left(self.prompt_buckets, length)
+        if i == len(self.prompt_buckets):
+            raise GraphKeyError(
+                f"prompt length {length} exceeds the largest prompt bucket {self.prompt_buckets[-1]} "
+                "(model max_token_len); the processor truncates prompts to max_token_len."
+            )
+        return self.prompt_buckets[i]
+
+    def _check(self, inputs: ModelInputs, opts: SamplingOptions) -> tuple[int, ...]:
+        if self.buffers is None:
+            raise RuntimeError("Pi05Scheduler.setup() has not been called; call it once before act().")
+        if opts.num_steps not in self.config.num_steps:
+            raise GraphKeyError(
+                f"num_steps={opts.num_steps} was not declared in setup(num_steps={self.config.num_steps}); "
+                "declare it in SchedulerConfig.num_steps (a table and graphs are built per K)."
+            )
+        cams = tuple(inputs.slots)
+        if cams not in self.config.camera_sets:
+            raise GraphKeyError(
+                f"camera set {cams} was not declared in setup(camera_sets={self.config.camera_sets}); "
+                "add it to SchedulerConfig.camera_sets."
+            )
+        return cams
+
+    def _load(self, inputs: ModelInputs, seeds, counters, opts: SamplingOptions | None, b: int, length: int) -> None:
+        """Copy a chunk of <= b rows into the static buffers; pad rows get harmless values."""
+        buf = self.buffers
+        assert buf is not None
+        n = inputs.batch_size
+        slots = list(inputs.slots)
+        if slots == list(range(buf.images.shape[1])):
+            buf.images[:n].copy_(inputs.images)
+            buf.image_mask[:n].copy_(inputs.image_mask)
+        else:  # index assignment writes in place (a fancy-indexed view would be a copy)
+            buf.images[:n, slots] = inputs.images
+            buf.image_mask[:n, slots] = inputs.image_mask
+        buf.tokens[:n, : inputs.tokens.shape[1]].copy_(inputs.tokens)
+        buf.tokens[:n, inputs.tokens.shape[1] : length].zero_()
+        buf.lengths[:n].copy_(inputs.lengths)
+        buf.seeds[:n].copy_(seeds)
+        buf.counters[:n].copy_(counters)
+        if b > n:  # pad rows: one valid token, real images slots masked on, zero pixels
+            buf.images[n:b].zero_()
+            buf.image_mask[n:b].fill_(True)
+            buf.tokens[n:b].zero_()
+            buf.lengths[n:b].fill_(1)
+            buf.seeds[n:b].zero_()
+            buf.counters[n:b].zero_()
+        if opts is not None:
+            mcfg = self.model.config
+            chunk_only = mcfg.value_chunk_only
+            switches = ControlInputs.from_options(opts, mcfg.action_horizon, mcfg.action_dim, chunk_only, self.device)
+            for name, value in switches.tensors().items():
+                buf.switches[name].copy_(value)
+
+    def _run_prefix(self, b: int, length: int, cams: tuple[int, ...]) -> None:
+        if self.use_graphs:
+            self._prefix_graphs[(b, length, cams)].replay()
+            self.stats.replays += 1
+        else:
+            with torch.no_grad():
+                self._prefix_stage(b, length, cams)
+            self.stats.eager_calls += 1
+
+    def _run_denoise(self, b: int, length: int, cams: tuple[int, ...], k: int) -> None:
+        if self.use_graphs:
+            self._denoise_graphs[(b, length, cams, k)].replay()
+            self.stats.replays += 1
+        else:
+            with torch.no_grad():
+                self._denoise_stage(b, length, cams, k)
+            self.stats.eager_calls += 1
+
+    def rollout(
+        self, inputs: ModelInputs, seeds: torch.Tensor, counters: torch.Tensor, opts: SamplingOptions
+    ) -> tuple[RolloutOutputs, torch.Tensor]:
+        """Run a rollout for N rows (split over max_batch_size); returns fresh tensors and denoise indices."""
+        cams = self._check(inputs, opts)
+        length = self.prompt_bucket_for(inputs.tokens.shape[1])
+        k, bmax = opts.num_steps, self.config.max_batch_size
+        parts = []
+        for start in range(0, inputs.batch_size, bmax):
+            index = slice(start, start + bmax)
+            chunk = inputs.select(index)
+            n = chunk.batch_size
+            b = self.bucket_for(n)
+            self._load(chunk, seeds[index], counters[index], opts, b, length)
+            self._run_prefix(b, length, cams)
+            self._run_denoise(b, length, cams, k)
+            buf = self.buffers
+            assert buf is not None
+            parts.append(
+                (
+                    buf.chain[:n, : k + 1].clone(),
+                    buf.log_prob[:n].clone(),
+                    buf.out_values[:n].clone(),
+                    buf.denoise_inds[:n, :k].clone(),
+                )
+            )
+        chain, lp, values, inds = (torch.cat(x) for x in zip(*parts))
+        return RolloutOutputs(chain, lp, values), inds
+
+    def prefix_value(self, inputs: ModelInputs) -> torch.Tensor:
+        """(N,) prefix-source critic values; runs only the prefix graphs."""
+        cams = tuple(inputs.slots)
+        if cams not in self.config.camera_sets:
+            raise GraphKeyError(f"camera set {cams} was not declared in setup(camera_sets={self.config.camera_sets}).")
+        length = self.prompt_bucket_for(inputs.tokens.shape[1])
+        out = []
+        zeros = torch.zeros(inputs.batch_size, dtype=torch.int64, device=self.device)
+        for start in range(0, inputs.batch_size, self.config.max_batch_size):
+            index = slice(start, start + self.config.max_batch_size)
+            chunk = inputs.select(index)
+            b = self.bucket_for(chunk.batch_size)
+            self._load(chunk, zeros[index], zeros[index], None, b, length)
+            self._run_prefix(b, length, cams)
+            assert self.buffers is not None
+            out.append(self.buffers.prefix_value[: chunk.batch_size].clone())
+        return torch.cat(out)
+
+    def refresh_tables(self) -> None:
+        """Recompute weight-derived tables in place (after a weight commit); graphs stay valid."""
+        if self.tables is not None:
+            self.tables.refresh()

@@ -1,0 +1,122 @@
+"""SigLIP vision tower (So400m/14 in the published model): conv stem, learned positions, pre-LN blocks.
+
+Parameter names follow transformers' `SiglipVisionModel.vision_model` so checkpoints map by prefix only.
+The stem (patch conv + position embedding) and every LayerNorm run in float32; the blocks in the model dtype.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from .attention import attend
+from .config import SiglipConfig
+
+
+def layer_norm_fp32(x: torch.Tensor, norm: nn.LayerNorm) -> torch.Tensor:
+    """LayerNorm computed in float32 and cast back to the input dtype."""
+    y = F.layer_norm(x.float(), norm.normalized_shape, norm.weight.float(), norm.bias.float(), norm.eps)
+    return y.to(x.dtype)
+
+
+class SiglipEmbeddings(nn.Module):
+    """Patch convolution + learned position embedding (float32)."""
+
+    def __init__(self, cfg: SiglipConfig) -> None:
+        super().__init__()
+        self.patch_embedding = nn.Conv2d(3, cfg.width, kernel_size=cfg.patch_size, stride=cfg.patch_size)
+        self.position_embedding = nn.Embedding(cfg.num_patches, cfg.width)
+
+    def forward(self, pixels: torch.Tensor) -> torch.Tensor:
+        """(B, 3, S, S) float in [-1, 1] -> (B, P, width) float32."""
+        w = self.patch_embedding.weight
+        x = F.conv2d(pixels.to(w.dtype), w, self.patch_embedding.bias, stride=self.patch_embedding.stride)
+        x = x.flatten(2).transpose(1, 2)  # (B, P, width), row-major over the patch grid
+        return x.float() + self.position_embedding.weight.float()[None]
+
+
+class SiglipAttention(nn.Module):
+    """Full (unmasked) multi-head attention with biases."""
+
+    def __init__(self, cfg: SiglipConfig) -> None:
+        super().__init__()
+        self.num_heads = cfg.num_heads
+        self.head_dim = cfg.head_dim
+        self.q_proj = nn.Linear(cfg.width, cfg.width)
+        self.k_proj = nn.Linear(cfg.width, cfg.width)
+        self.v_proj = nn.Linear(cfg.width, cfg.width)
+        self.out_proj = nn.Linear(cfg.width, cfg.width)
+
+    def forward(self, x: torch.Tensor, backend: str) -> torch.Tensor:
+        """(B, P, width) -> (B, P, width)."""
+        b, p, _ = x.shape
+        shape = (b, p, self.num_heads, self.head_dim)
+        q = self.q_proj(x).view(shape).transpose(1, 2)
+        k = self.k_proj(x).view(shape).transpose(1, 2)
+        v = self.v_proj(x).view(shape).transpose(1, 2)
+        out = attend(q, k, v, None, self.head_dim**-0.5, backend)
+        return self.out_proj(out.transpose(1, 2).reshape(b, p, -1))
+
+
+class SiglipMLP(nn.Module):
+    """fc1 -> GELU (tanh approximation) -> fc2."""
+
+    def __init__(self, cfg: SiglipConfig) -> None:
+        super().__init__()
+        self.fc1 = nn.Linear(cfg.width, cfg.mlp_dim)
+        self.fc2 = nn.Linear(cfg.mlp_dim, cfg.width)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        """(..., width) -> (..., width)."""
+        return self.fc2(F.gelu(self.fc1(x), approximate="tanh"))
+
+
+class SiglipEncoderLayer(nn.Module):
+    """Pre-LN block: x += attn(LN1 x); x += mlp(LN2 x)."""
+
+    def __init__(self, cfg: SiglipConfig) -> None:
+        super().__init__()
+        self.layer_norm1 = nn.LayerNorm(cfg.width, eps=cfg.eps)
+        self.self_attn = SiglipAttention(cfg)
+        self.layer_norm2 = nn.LayerNorm(cfg.width, eps=cfg.eps)
+        self.mlp = SiglipMLP(cfg)
+
+    def forward(self, x: torch.Tensor, backend: str) -> torch.Tensor:
+        """(B, P, width) -> (B, P, width)."""
+        x = x + self.self_attn(layer_norm_fp32(x, self.layer_norm1), backend)
+        return x + self.mlp(layer_norm_fp32(x, self.layer_norm2))
+
+
+class SiglipEncoder(nn.Module):
+    """Stack of encoder layers (container named as in transformers)."""
+
+    def __init__(self, cfg: SiglipConfig) -> None:
+        super().__init__()
+        self.layers = nn.ModuleList(SiglipEncoderLayer(cfg) for _ in range(cfg.depth))
+
+
+class SiglipVisionTower(nn.Module):
+    """SigLIP vision tower without pooling: all patch tokens are kept.
+
+    Example:
+        >>> from policies.pi05.config import SiglipConfig
+        >>> tower = SiglipVisionTower(SiglipConfig(width=32, depth=1, mlp_dim=64, num_heads=2, patch_size=56))
+        >>> tower(torch.zeros(2, 3, 224, 224), backend="eager").shape
+        torch.Size([2, 16, 32])
+    """
+
+    def __init__(self, cfg: SiglipConfig) -> None:
+        super().__init__()
+        self.cfg = cfg
+        self.embeddings = SiglipEmbeddings(cfg)
+        self.encoder = SiglipEncoder(cfg)
+        self.post_layernorm = nn.LayerNorm(cfg.width, eps=cfg.eps)
+
+    def forward(self, pixels: torch.Tensor, backend: str = "sdpa", dtype: torch.dtype | None = None) -> torch.Tensor:
+        """(B, 3, S, S) float pixels in [-1, 1] -> (B, P, width) in `dtype` (default: the block weights' dtype)."""
+        dtype = dtype or self.encoder.layers[0].mlp.fc1.weight.dtype
+        x = self.embeddings(pixels).to(dtype)
+        for layer in self.encoder.layers:
+            x = layer(x, backend)
+        return layer_norm_fp32(x, self.post_layernorm)

@@ -26,6 +26,7 @@ from .inputs import ModelInputs
 from .model import Pi05Model, randomize_parameters_, torch_dtype
 from .sampler import SamplingOptions
 from .scheduler import Pi05Scheduler, SchedulerConfig
+from .weight_sync import WeightSyncMixin
 
 
 @dataclass
@@ -57,7 +58,7 @@ class RolloutConfig:
             raise ValueError(f"trainable: expected 'expert' or 'all', got {self.trainable!r}.")
 
 
-class Pi05Policy:
+class Pi05Policy(WeightSyncMixin):
     """PI0.5 policy over canonical observations (DESIGN C1), usable without Gymnasium.
 
     Example:

@@ -130,6 +130,8 @@ class Pi05Scheduler:
         self._prefix_graphs: dict[tuple, torch.cuda.CUDAGraph] = {}
         self._denoise_graphs: dict[tuple, torch.cuda.CUDAGraph] = {}
         self._pool = None
+        self._switch_cache: dict[SamplingOptions, dict[str, torch.Tensor]] = {}
+        self._camera_indices: dict[tuple[int, ...], torch.Tensor] = {}
 
     # ------------------------------------------------------------------------------------------ setup
     def setup(self) -> None:
@@ -161,8 +163,11 @@ class Pi05Scheduler:
             out_values=torch.zeros(bmax, device=dev),
             denoise_inds=torch.zeros(bmax, kmax, dtype=torch.int64, device=dev),
         )
+        for cams in cfg.camera_sets:
+            self._camera_index(cams)
         if self.use_graphs:
-            self._capture_all()
+            with torch.no_grad():
+                self._capture_all()
         self.stats.setup_seconds = time.perf_counter() - start
 
     def _capture_all(self) -> None:
@@ -205,9 +210,12 @@ class Pi05Scheduler:
         """Static buffers [:b] -> prefix K/V in the cache buffers, key mask, positions, prefix value."""
         buf = self.buffers
         assert buf is not None
-        images = buf.images[:b, list(cams)] if len(cams) < buf.images.shape[1] else buf.images[:b]
-        cache = run_prefix_stage(self.model, images, buf.image_mask[:b, list(cams)], buf.tokens[:b, :length],
-                                 buf.lengths[:b])
+        if len(cams) < buf.images.shape[1]:
+            index = self._camera_index(cams)
+            images, image_mask = buf.images[:b].index_select(1, index), buf.image_mask[:b].index_select(1, index)
+        else:
+            images, image_mask = buf.images[:b], buf.image_mask[:b]
+        cache = run_prefix_stage(self.model, images, image_mask, buf.tokens[:b, :length], buf.lengths[:b])
         t = cache.key_mask.shape[1]
         for i, (k, v) in enumerate(zip(cache.keys, cache.values)):
             buf.keys[i][:b, :, :t].copy_(k)
@@ -217,6 +225,13 @@ class Pi05Scheduler:
         value = prefix_values(self.model, cache)
         if value is not None:
             buf.prefix_value[:b].copy_(value)
+
+    def _camera_index(self, cams: tuple[int, ...]) -> torch.Tensor:
+        """Device index tensor of a camera set (built once; no host copy inside a capture)."""
+        index = self._camera_indices.get(cams)
+        if index is None:
+            index = self._camera_indices[cams] = torch.tensor(cams, dtype=torch.int64, device=self.device)
+        return index
 
     def _cache_view(self, b: int, t: int) -> PrefixCache:
         buf = self.buffers
@@ -285,9 +300,10 @@ class Pi05Scheduler:
         if slots == list(range(buf.images.shape[1])):
             buf.images[:n].copy_(inputs.images)
             buf.image_mask[:n].copy_(inputs.image_mask)
-        else:  # index assignment writes in place (a fancy-indexed view would be a copy)
-            buf.images[:n, slots] = inputs.images
-            buf.image_mask[:n, slots] = inputs.image_mask
+        else:  # index_copy_ writes in place (a fancy-indexed view would be a copy)
+            index = self._camera_index(tuple(slots))
+            buf.images[:n].index_copy_(1, index, inputs.images)
+            buf.image_mask[:n].index_copy_(1, index, inputs.image_mask)
         buf.tokens[:n, : inputs.tokens.shape[1]].copy_(inputs.tokens)
         buf.tokens[:n, inputs.tokens.shape[1] : length].zero_()
         buf.lengths[:n].copy_(inputs.lengths)
@@ -301,11 +317,19 @@ class Pi05Scheduler:
             buf.seeds[n:b].zero_()
             buf.counters[n:b].zero_()
         if opts is not None:
-            mcfg = self.model.config
-            chunk_only = mcfg.value_chunk_only
-            switches = ControlInputs.from_options(opts, mcfg.action_horizon, mcfg.action_dim, chunk_only, self.device)
-            for name, value in switches.tensors().items():
+            for name, value in self._switches(opts).items():
                 buf.switches[name].copy_(value)
+
+    def _switches(self, opts: SamplingOptions) -> dict[str, torch.Tensor]:
+        """Device tensors of the per-call switches, built once per distinct options (no host copy per call)."""
+        cached = self._switch_cache.get(opts)
+        if cached is None:
+            mcfg = self.model.config
+            inp = ControlInputs.from_options(
+                opts, mcfg.action_horizon, mcfg.action_dim, mcfg.value_chunk_only, self.device
+            )
+            cached = self._switch_cache[opts] = inp.tensors()
+        return cached
 
     def _run_prefix(self, b: int, length: int, cams: tuple[int, ...]) -> None:
         if self.use_graphs:

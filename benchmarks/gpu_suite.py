@@ -1,0 +1,172 @@
+"""Every GPU test and measurement of the project in one call (device time is scarce).
+
+    python benchmarks/gpu_suite.py --out $OUT [--sections tests model policy rollout sync processor]
+
+Each section runs in isolation (a failure is recorded and the suite goes on) and appends JSONL rows to
+$OUT/gpu_results.jsonl; pytest output goes to $OUT/pytest_cuda.log. Commit the rows under benchmarks/results/.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import subprocess
+import sys
+import time
+import traceback
+from pathlib import Path
+
+import torch
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+from benchmarks.bench_policy import bench_case, env_row  # noqa: E402
+
+
+def _emit(out: Path, row: dict) -> None:
+    row = {**env_row(), **row}
+    print(json.dumps(row), flush=True)
+    with (out / "gpu_results.jsonl").open("a") as f:
+        f.write(json.dumps(row) + "\n")
+
+
+def section_tests(out: Path) -> None:
+    """The CUDA-marked pytest tests (graph vs eager, adversarial buckets, aliasing, sync-free step, sync)."""
+    log = out / "pytest_cuda.log"
+    cmd = [sys.executable, "-m", "pytest", "-q", "-m", "cuda", "-p", "no:cacheprovider", "tests/policies"]
+    proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=400)
+    log.write_text(proc.stdout + proc.stderr)
+    tail = (proc.stdout.strip().splitlines() or ["(no output)"])[-1]
+    _emit(out, {"section": "tests", "returncode": proc.returncode, "summary": tail})
+
+
+def section_model(out: Path) -> None:
+    """Full-size pi05_base, random bf16 weights: eager sample_actions, 3 cameras, batch 1 and 8, per backend."""
+    from policies.pi05.attention import AttentionConfig, flash_attn_available
+    from policies.pi05.config import Pi05Config
+    from policies.pi05.model import Pi05Model
+
+    cfg = Pi05Config.pi05_base()
+    with torch.device("cuda"):
+        model = Pi05Model(cfg)
+    model.set_precision(torch.bfloat16)
+    for backend in ("eager", "sdpa", "flash"):
+        if backend == "flash" and not flash_attn_available():
+            _emit(out, {"section": "model", "backend": "flash", "status": "not run: flash-attn not installed"})
+            continue
+        model.attention_config = AttentionConfig(vision=backend, prefix=backend, expert=backend)
+        plan = model.resolve_attention()
+        for batch in (1, 8):
+            images = torch.randint(0, 256, (batch, 3, 3, 224, 224), dtype=torch.uint8, device="cuda")
+            mask = torch.ones(batch, 3, dtype=torch.bool, device="cuda")
+            tokens = torch.randint(3, 30000, (batch, 200), device="cuda")
+            tmask = torch.ones(batch, 200, dtype=torch.bool, device="cuda")
+            noise = torch.randn(batch, 50, 32, device="cuda")
+            for _ in range(2):
+                model.sample_actions(images, mask, tokens, tmask, noise, 10)
+            torch.cuda.synchronize()
+            torch.cuda.reset_peak_memory_stats()
+            times = []
+            for _ in range(5):
+                start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+                start.record()
+                actions = model.sample_actions(images, mask, tokens, tmask, noise, 10)
+                end.record()
+                torch.cuda.synchronize()
+                times.append(start.elapsed_time(end))
+            times.sort()
+            _emit(out, {"section": "model", "mode": "eager sample_actions", "backend": backend, "plan": plan.report(),
+                        "batch": batch, "cameras": 3, "prompt": 200, "K": 10, "H": 50, "p50_ms": times[len(times) // 2],
+                        "peak_mem_gib": torch.cuda.max_memory_allocated() / 2**30,
+                        "finite": bool(torch.isfinite(actions).all())})
+    _emit(out, {"section": "model", "sdpa_kernels": sdpa_kernels(model)})
+    del model
+    torch.cuda.empty_cache()
+
+
+def sdpa_kernels(model) -> dict:
+    """Which CUDA kernels SDPA actually launched per site (from the profiler's kernel names)."""
+    from torch.profiler import ProfilerActivity, profile
+
+    from policies.pi05.attention import AttentionConfig
+
+    model.attention_config = AttentionConfig(vision="sdpa", prefix="sdpa", expert="sdpa")
+    model.resolve_attention()
+    images = torch.randint(0, 256, (1, 3, 3, 224, 224), dtype=torch.uint8, device="cuda")
+    found = {}
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        model.sample_actions(images, torch.ones(1, 3, dtype=torch.bool, device="cuda"),
+                             torch.randint(3, 300, (1, 200), device="cuda"),
+                             torch.ones(1, 200, dtype=torch.bool, device="cuda"),
+                             torch.randn(1, 50, 32, device="cuda"), 2)
+    for evt in prof.key_averages():
+        name = evt.key.lower()
+        if any(k in name for k in ("flash", "fmha", "efficient", "attention", "cudnn")):
+            found[evt.key[:120]] = evt.count
+    return found
+
+
+def section_policy(out: Path) -> None:
+    """C8 sweeps: (a) 3 cameras / 200 tokens / K=10 / H=50 and (b) the LIBERO RL setting."""
+    batches = [1, 2, 4, 8, 16, 32, 64, 128]
+    bench_case("a", batches, out / "gpu_results.jsonl", method="ode", value_source="none")
+    bench_case("b", [1, 2, 4, 8, 16, 32, 40, 64, 128], out / "gpu_results.jsonl", method="ode", value_source="none")
+
+
+def section_rollout(out: Path) -> None:
+    """Rollout (sde + prefix values) vs plain inference (ode, no values) at batch 8 and 64, both cases."""
+    for case in ("a", "b"):
+        bench_case(case, [8, 64], out / "gpu_results.jsonl", method="sde", value_source="prefix", iters=10)
+
+
+def section_sync(out: Path) -> None:
+    """Weight-sync benchmarks (in-process, pinned host)."""
+    try:
+        from benchmarks import bench_weight_sync
+    except ImportError as err:
+        _emit(out, {"section": "sync", "status": f"not run: {err}"})
+        return
+    bench_weight_sync.run(out / "gpu_results.jsonl", "base")
+
+
+def section_processor(out: Path) -> None:
+    """Processor time for N = 8 and 64 with 3 cameras of 256x256 uint8."""
+    try:
+        from benchmarks import bench_processor
+    except ImportError as err:
+        _emit(out, {"section": "processor", "status": f"not run: {err}"})
+        return
+    bench_processor.run(out / "gpu_results.jsonl", device="cuda")
+
+
+SECTIONS = {
+    "tests": section_tests,
+    "model": section_model,
+    "policy": section_policy,
+    "rollout": section_rollout,
+    "sync": section_sync,
+    "processor": section_processor,
+}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--out", type=Path, required=True)
+    parser.add_argument("--sections", nargs="+", default=list(SECTIONS))
+    args = parser.parse_args()
+    args.out.mkdir(parents=True, exist_ok=True)
+    for name in args.sections:
+        start = time.perf_counter()
+        try:
+            SECTIONS[name](args.out)
+            status = "ok"
+        except Exception as err:  # noqa: BLE001 - record and go on
+            status = f"failed: {type(err).__name__}: {err}"
+            (args.out / f"error_{name}.txt").write_text(traceback.format_exc())
+        _emit(args.out, {"section": name, "status": status, "seconds": round(time.perf_counter() - start, 1)})
+        torch.cuda.empty_cache()
+
+
+if __name__ == "__main__":
+    main()

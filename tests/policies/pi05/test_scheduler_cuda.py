@@ -1,0 +1,137 @@
+"""CUDA-graph scheduler checks (run on the GPU by benchmarks/gpu_suite.py; skipped on CPU)."""
+
+import pytest
+import torch
+
+from policies.pi05.config import Pi05Config
+from policies.pi05.inputs import ModelInputs
+from policies.pi05.model import Pi05Model, randomize_parameters_
+from policies.pi05.policy import Pi05Policy, RolloutConfig
+from policies.pi05.scheduler import Pi05Scheduler, SchedulerConfig
+
+pytestmark = [
+    pytest.mark.cuda,
+    pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU (run by benchmarks/gpu_suite.py)"),
+]
+
+
+class _Proc:
+    def __init__(self, slots):
+        self.slots = tuple(slots)
+        self.action_dim = 7
+        self.prompt_buckets = (16, 48, 200)
+
+    def postprocess(self, a, c):
+        return a[:, :c, :7]
+
+
+def _model(dtype=torch.bfloat16, **overrides):
+    cfg = Pi05Config.tiny(max_token_len=200, value_source="prefix", **overrides)
+    with torch.device("cuda"):
+        model = Pi05Model(cfg)
+    randomize_parameters_(model, 0)
+    return model.set_precision(dtype)
+
+
+def _inputs(n, length, real, slots=(0, 1, 2), seed=0):
+    g = torch.Generator().manual_seed(seed)
+    tokens = torch.randint(3, 2000, (n, length), generator=g, dtype=torch.int32)
+    lengths = torch.randint(max(1, real // 2), real + 1, (n,), generator=g).int()
+    return ModelInputs(
+        images=torch.randint(0, 256, (n, len(slots), 3, 224, 224), generator=g, dtype=torch.uint8),
+        image_mask=torch.rand(n, len(slots), generator=g) > 0.2,
+        slots=tuple(slots),
+        tokens=tokens,
+        lengths=lengths,
+    ).to("cuda")
+
+
+def _policy(model, graphs, k=(5, 10), max_batch=8):
+    sched = SchedulerConfig(
+        max_batch_size=max_batch,
+        num_steps=k,
+        prompt_buckets=(16, 48, 200),
+        camera_sets=((0, 1, 2),),
+        cuda_graphs=graphs,
+    )
+    return Pi05Policy(model, _Proc((0, 1, 2)), RolloutConfig(num_steps=k[0], action_chunk=4), sched)
+
+
+def test_graph_replay_equals_eager_bitwise():
+    model = _model()
+    graph, eager = _policy(model, True), _policy(model, False)
+    assert graph.scheduler.stats.captures > 0 and eager.scheduler.stats.captures == 0
+    x = _inputs(5, 48, 40)
+    a = graph.act_inputs(x, seeds=range(5))
+    b = eager.act_inputs(x, seeds=range(5))
+    for name in ("chains", "log_prob_elements", "values", "denoise_inds"):
+        assert torch.equal(getattr(a, name), getattr(b, name)), name
+
+
+def _garbage(sched: Pi05Scheduler):
+    buf = sched.buffers
+    for t in [*buf.keys, *buf.values, buf.chain, buf.log_prob, buf.out_values, buf.prefix_value]:
+        t.copy_(torch.randn_like(t, dtype=torch.float32).mul(1e4).to(t.dtype))
+
+
+def test_adversarial_sequence_real_rows_unchanged():
+    model = _model()
+    policy = _policy(model, True, max_batch=8)
+    reference = _policy(model, False, max_batch=8)
+    captures = policy.scheduler.stats.captures
+    calls = [
+        (_inputs(8, 200, 200, seed=1), 5),
+        (_inputs(1, 16, 16, seed=2), 5),
+        (_inputs(3, 48, 40, seed=3), 10),
+        (_inputs(2, 16, 10, seed=4), 5),
+    ]
+    for x, k in calls:
+        policy.rollout = RolloutConfig(num_steps=k, action_chunk=4)
+        reference.rollout = policy.rollout
+        _garbage(policy.scheduler)
+        got = policy.act_inputs(x, seeds=range(x.batch_size))
+        want = torch.cat(
+            [reference.act_inputs(x.select(slice(i, i + 1)), seeds=[i]).chains for i in range(x.batch_size)]
+        )
+        assert torch.allclose(got.chains, want, atol=2e-2, rtol=0), (k, (got.chains - want).abs().max())
+        assert torch.equal(got.chains[:, 0], want[:, 0])  # x_0 draws are exact
+    assert policy.scheduler.stats.captures == captures  # nothing captured on the hot path
+
+
+def test_batch_equals_single_calls_in_sde_mode():
+    model = _model(torch.float32)
+    policy = _policy(model, True)
+    x = _inputs(6, 48, 30, seed=5)
+    batch = policy.act_inputs(x, seeds=range(6))
+    for i in range(6):
+        single = policy.act_inputs(x.select(slice(i, i + 1)), seeds=[i])
+        assert torch.equal(single.denoise_inds, batch.denoise_inds[i : i + 1])
+        assert torch.allclose(single.chains, batch.chains[i : i + 1], atol=1e-4)
+        assert torch.allclose(single.log_prob, batch.log_prob[i : i + 1], atol=1e-2)
+
+
+def test_outputs_do_not_alias_static_memory():
+    model = _model()
+    policy = _policy(model, True)
+    x = _inputs(2, 16, 12, seed=6)
+    first = policy.act_inputs(x, seeds=[0, 1])
+    kept = first.chains.clone()
+    policy.act_inputs(_inputs(2, 16, 12, seed=7), seeds=[5, 6])
+    assert torch.equal(first.chains, kept)
+    first.chains.zero_()
+    again = policy.act_inputs(x, seeds=[0, 1])
+    assert torch.equal(again.chains, kept)
+
+
+def test_no_host_sync_on_the_step_path():
+    model = _model()
+    policy = _policy(model, True)
+    x = _inputs(4, 48, 40, seed=8)
+    policy.act_inputs(x, seeds=range(4))  # streams sized; warm
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        out = policy.act_inputs(x, env_ids=torch.arange(4, device="cuda"))
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+    assert out.actions.shape == (4, 4, 7)

@@ -1,0 +1,102 @@
+"""Gymnasium MuJoCo envs (e.g. Pusher-v5) as canonical, freezable vector envs (DESIGN C1, C2).
+
+Each sub-env renders an RGB image (``render_mode="rgb_array"``) next to its state vector and carries a fixed
+instruction. Rendering uses ``MUJOCO_GL=egl`` unless the variable is already set; on machines without EGL
+set ``MUJOCO_GL=osmesa`` (software rendering, needs libOSMesa) before the first import of mujoco.
+"""
+
+from __future__ import annotations
+
+import os
+from typing import Any, Literal
+
+import gymnasium as gym
+import numpy as np
+from gymnasium.vector import AutoresetMode, VectorEnv
+
+from wrappers.adapters.scripted import canonical_observation_space
+from wrappers.freeze import make_freezable_vector_env
+
+
+class MujocoCanonicalObservation(gym.ObservationWrapper):
+    """Maps a MuJoCo env's state vector to ``{"images": {camera: render()}, "state", "task"}``.
+
+    Args:
+        env: a single env created with ``render_mode="rgb_array"``.
+        task: the instruction.
+        camera: the camera name in ``images``.
+
+    Example:
+        >>> env = MujocoCanonicalObservation(  # doctest: +SKIP
+        ...     gym.make("Pusher-v5", render_mode="rgb_array", width=64, height=64), task="push")
+        >>> env.reset(seed=0)[0]["images"]["image"].shape  # doctest: +SKIP
+        (64, 64, 3)
+    """
+
+    def __init__(self, env: gym.Env, task: str, camera: str = "image") -> None:
+        super().__init__(env)
+        if env.render_mode != "rgb_array":
+            raise ValueError(
+                f"MujocoCanonicalObservation: the env must render with render_mode='rgb_array', got "
+                f"{env.render_mode!r}. Fix: gym.make(name, render_mode='rgb_array', width=..., height=...)."
+            )
+        frame = self._frame_shape(env)
+        state_dim = int(np.prod(env.observation_space.shape))
+        self.observation_space = canonical_observation_space({camera: frame}, state_dim)
+        self.task = task
+        self.camera = camera
+
+    @staticmethod
+    def _frame_shape(env: gym.Env) -> tuple[int, int]:
+        base = env.unwrapped
+        return int(getattr(base, "height", 480)), int(getattr(base, "width", 480))
+
+    def observation(self, observation: np.ndarray) -> dict[str, Any]:
+        """The canonical observation of the current state."""
+        image = np.ascontiguousarray(self.env.render(), dtype=np.uint8)
+        state = np.asarray(observation, dtype=np.float32).reshape(-1)
+        return {"images": {self.camera: image}, "state": state, "task": self.task}
+
+
+def _make_single(name: str, image_size: int, task: str, env_kwargs: dict[str, Any]) -> gym.Env:
+    os.environ.setdefault("MUJOCO_GL", "egl")
+    env = gym.make(name, render_mode="rgb_array", width=image_size, height=image_size, **env_kwargs)
+    return MujocoCanonicalObservation(env, task)
+
+
+def make_mujoco_env(
+    name: str = "Pusher-v5",
+    num_envs: int = 4,
+    vectorization: Literal["sync", "async"] = "sync",
+    image_size: int = 224,
+    task: str = "push the puck to the goal",
+    seed: int | None = None,
+    autoreset_mode: AutoresetMode | str = AutoresetMode.SAME_STEP,
+    **env_kwargs: Any,
+) -> VectorEnv:
+    """A freezable vector env of a Gymnasium MuJoCo task yielding the canonical observation.
+
+    Observations: ``{"images": {"image": (N, S, S, 3) uint8}, "state": (N, D) float32, "task": N str}``.
+
+    Args:
+        name: a Gymnasium MuJoCo env id (``Pusher-v5`` has a 7-dim action and a 23-dim state).
+        num_envs: N.
+        vectorization: "sync" (in-process) or "async" (one process per env).
+        image_size: S, the rendered image side.
+        task: the instruction given to every env.
+        seed: when given, the env is reset once with ``seed`` (env i gets seed + i).
+        autoreset_mode: the inner autoreset mode (PolicyVectorEnv handles all three).
+        **env_kwargs: passed to ``gym.make`` (e.g. ``max_episode_steps``).
+
+    Example:
+        >>> env = make_mujoco_env(num_envs=2, image_size=64)  # doctest: +SKIP
+        >>> obs, _ = env.reset(seed=0)  # doctest: +SKIP
+        >>> obs["images"]["image"].shape, obs["state"].shape, obs["task"]  # doctest: +SKIP
+        ((2, 64, 64, 3), (2, 23), ('push the puck to the goal', 'push the puck to the goal'))
+    """
+    os.environ.setdefault("MUJOCO_GL", "egl")
+    fns = [lambda: _make_single(name, image_size, task, env_kwargs) for _ in range(num_envs)]
+    venv = make_freezable_vector_env(fns, vectorization=vectorization, autoreset_mode=autoreset_mode)
+    if seed is not None:
+        venv.reset(seed=seed)
+    return venv

@@ -1,0 +1,182 @@
+"""Per-sub-env freezing: what lets `PolicyVectorEnv` execute an action chunk (DESIGN C2).
+
+Contract
+--------
+A vector env can *freeze* when each of its sub-envs obeys these rules once it has reported
+``terminated`` or ``truncated``:
+
+1. **Frozen until thawed.** Further ``step()`` calls do not step the simulator; they replay the
+   terminal observation and info with reward 0 and ``terminated = truncated = False`` (so that the
+   vector env's own bookkeeping does not try to autoreset it again).
+2. **Autoresets are ignored.** A ``reset()`` that does not carry the thaw option -- which is what
+   Sync/AsyncVectorEnv issue in ``NEXT_STEP`` and ``SAME_STEP`` autoreset mode, and what a
+   ``reset_mask`` reset without the option does -- leaves the simulator untouched and returns the
+   terminal observation and info again.
+3. **Thawing.** ``reset(seed=..., options={THAW_OPTION: True, ...})`` really resets the sub-env (with
+   that seed) and unfreezes it. A sub-env that is not frozen resets normally whatever the options.
+
+`PolicyVectorEnv` resets finished sub-envs at the chunk boundary with
+``env.reset(options={"reset_mask": mask, THAW_OPTION: True})``; gymnasium 1.x Sync/AsyncVectorEnv pop
+``reset_mask`` and pass the remaining options (here ``{THAW_OPTION: True}``) to the masked sub-envs only.
+Its full resets (``reset(seed=s)``) carry the option too.
+
+How an adapter builds one
+-------------------------
+* numpy envs: ``make_freezable_vector_env(env_fns, vectorization="sync"|"async", autoreset_mode=...)``
+  wraps every sub-env in `FreezeOnDone` (outermost, so that it sees ``TimeLimit`` truncations) and
+  builds a Sync/AsyncVectorEnv. `FreezeOnDone` sets ``metadata[FREEZABLE_KEY] = True``, which
+  Sync/AsyncVectorEnv copy from their first sub-env into their own metadata.
+* Envs with their own termination controls (ManiSkill's GPU-batched env): an adapter-specific
+  `VectorWrapper` that obeys rules 1-3 for the ``reset_mask``/``THAW_OPTION`` reset above and sets
+  ``metadata[FREEZABLE_KEY] = True`` itself.
+
+How `PolicyVectorEnv` detects one
+---------------------------------
+`is_freezable(env)` reads ``env.metadata.get(FREEZABLE_KEY)``; `require_freezable(env)` raises a
+`ValueError` saying how to build a freezable env when the flag is missing.
+
+Example:
+    >>> import gymnasium as gym
+    >>> venv = make_freezable_vector_env([lambda: gym.make("CartPole-v1")] * 2)
+    >>> is_freezable(venv)
+    True
+    >>> venv.close()
+"""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Callable, Mapping, Sequence
+from typing import Any, Literal, SupportsFloat
+
+import gymnasium as gym
+from gymnasium.vector import AsyncVectorEnv, AutoresetMode, SyncVectorEnv, VectorEnv
+
+FREEZABLE_KEY = "phyai_gym.freezable"
+"""Metadata key: True when every sub-env freezes after it finishes (rules 1-3 above)."""
+THAW_OPTION = "phyai_gym.thaw"
+"""Reset option: when true, a frozen sub-env is really reset; otherwise the reset is ignored."""
+
+
+class FreezeOnDone(gym.Wrapper):
+    """Freezes a single env after it terminates or truncates, until a reset carrying `THAW_OPTION`.
+
+    While frozen, `step()` replays the terminal observation and info with reward 0 and no done flags,
+    and `reset()` without the thaw option returns the terminal observation and info again without
+    touching the simulator. Put it outermost (outside ``TimeLimit``) so it sees every episode end.
+
+    Example:
+        >>> import gymnasium as gym
+        >>> env = FreezeOnDone(gym.make("CartPole-v1"))
+        >>> obs, _ = env.reset(seed=0)
+        >>> env.frozen
+        False
+        >>> env.metadata[FREEZABLE_KEY]
+        True
+    """
+
+    def __init__(self, env: gym.Env) -> None:
+        super().__init__(env)
+        self.metadata = {**env.metadata, FREEZABLE_KEY: True}
+        self._frozen = False
+        self._terminal_obs: Any = None
+        self._terminal_info: dict[str, Any] = {}
+
+    @property
+    def frozen(self) -> bool:
+        """True between the end of an episode and the next thawing reset."""
+        return self._frozen
+
+    def step(self, action: Any) -> tuple[Any, SupportsFloat, bool, bool, dict[str, Any]]:
+        """Steps the env, or replays the terminal transition with reward 0 while frozen."""
+        if self._frozen:
+            return self._terminal_obs, 0.0, False, False, dict(self._terminal_info)
+        obs, reward, terminated, truncated, info = self.env.step(action)
+        if terminated or truncated:
+            self._frozen = True
+            self._terminal_obs, self._terminal_info = obs, dict(info)
+        return obs, reward, terminated, truncated, info
+
+    def reset(self, *, seed: int | None = None, options: dict[str, Any] | None = None) -> tuple[Any, dict[str, Any]]:
+        """Resets the env unless it is frozen and `options` lacks a true `THAW_OPTION`."""
+        options = dict(options) if options else {}
+        thaw = bool(options.pop(THAW_OPTION, False))
+        if self._frozen and not thaw:
+            return self._terminal_obs, dict(self._terminal_info)
+        self._frozen = False
+        self._terminal_obs, self._terminal_info = None, {}
+        return self.env.reset(seed=seed, options=options or None)
+
+
+def _make_frozen(env_fn: Callable[[], gym.Env]) -> gym.Env:
+    return FreezeOnDone(env_fn())
+
+
+def make_freezable_vector_env(
+    env_fns: Sequence[Callable[[], gym.Env]],
+    vectorization: Literal["sync", "async"] = "sync",
+    autoreset_mode: AutoresetMode | str = AutoresetMode.SAME_STEP,
+    **vector_kwargs: Any,
+) -> VectorEnv:
+    """A Sync/AsyncVectorEnv whose sub-envs are wrapped in `FreezeOnDone`.
+
+    Args:
+        env_fns: functions that each build one single env (picklable by cloudpickle for "async").
+        vectorization: "sync" (in-process) or "async" (one process per sub-env).
+        autoreset_mode: the inner env's autoreset mode; `PolicyVectorEnv` handles all three. SAME_STEP
+            (default) never needs extra calls: the inner autoreset is simply ignored by frozen sub-envs.
+        **vector_kwargs: passed to ``SyncVectorEnv``/``AsyncVectorEnv`` (e.g. ``context="spawn"``). For
+            "async", ``shared_memory`` defaults to False: gymnasium 1.4 reads a ``Text`` space (the
+            canonical ``task``) from shared memory only once, so instructions would go stale.
+
+    Raises:
+        ValueError: for "async" with NEXT_STEP and ``shared_memory=False``: gymnasium 1.4's worker then keeps
+            its autoreset flag across a ``reset_mask`` reset and would reset a thawed sub-env behind our back.
+
+    Returns:
+        A vector env with ``metadata[FREEZABLE_KEY] = True``.
+
+    Example:
+        >>> import gymnasium as gym
+        >>> venv = make_freezable_vector_env([lambda: gym.make("CartPole-v1")] * 2, vectorization="sync")
+        >>> venv.num_envs, venv.metadata[FREEZABLE_KEY]
+        (2, True)
+        >>> venv.close()
+    """
+    fns = [functools.partial(_make_frozen, fn) for fn in env_fns]
+    if vectorization == "sync":
+        venv: VectorEnv = SyncVectorEnv(fns, autoreset_mode=autoreset_mode, **vector_kwargs)
+    elif vectorization == "async":
+        vector_kwargs.setdefault("shared_memory", False)
+        if AutoresetMode(autoreset_mode) == AutoresetMode.NEXT_STEP and not vector_kwargs["shared_memory"]:
+            raise ValueError(
+                "make_freezable_vector_env: vectorization='async' with autoreset_mode=NEXT_STEP needs "
+                "shared_memory=True (gymnasium's worker only clears its autoreset flag on a shared-memory "
+                "reset), got shared_memory=False. Fix: use autoreset_mode='SameStep' or 'Disabled', or "
+                "shared_memory=True when the observation space has no Text space."
+            )
+        venv = AsyncVectorEnv(fns, autoreset_mode=autoreset_mode, **vector_kwargs)
+    else:
+        raise ValueError(f"make_freezable_vector_env: vectorization must be 'sync' or 'async', got {vectorization!r}.")
+    venv.metadata = {**venv.metadata, FREEZABLE_KEY: True}
+    return venv
+
+
+def is_freezable(env: VectorEnv) -> bool:
+    """True when `env` declares ``metadata[FREEZABLE_KEY]`` (its sub-envs obey the freeze contract)."""
+    metadata: Mapping[str, Any] = getattr(env, "metadata", None) or {}
+    return bool(metadata.get(FREEZABLE_KEY, False))
+
+
+def require_freezable(env: VectorEnv, argument: str = "env") -> None:
+    """Raises a `ValueError` explaining how to build a freezable env unless `env` is one."""
+    if is_freezable(env):
+        return
+    raise ValueError(
+        f"PolicyVectorEnv: argument `{argument}` must be a vector env whose sub-envs freeze after they end "
+        f"(metadata[{FREEZABLE_KEY!r}] = True), got {type(env).__name__} without that flag. Chunk execution "
+        "needs finished sub-envs to stay untouched until the chunk boundary. Fix: build it with "
+        "wrappers.make_mujoco_env / make_libero_env / make_maniskill_env, or with "
+        "wrappers.freeze.make_freezable_vector_env(env_fns, vectorization='sync'|'async'), or wrap each "
+        "sub-env in wrappers.freeze.FreezeOnDone before vectorising it."
+    )

@@ -125,7 +125,20 @@ class Pi05Config:
             value = getattr(self, name)
             if isinstance(value, dict):
                 cls = SiglipConfig if name == "vision" else GemmaConfig
+                known = {f.name for f in dataclasses.fields(cls)}
+                unknown = sorted(set(value) - known)
+                if unknown:
+                    raise ValueError(
+                        f"Pi05Config.{name}: unknown {cls.__name__} fields {unknown}; known fields are {sorted(known)}."
+                    )
                 setattr(self, name, cls(**value))
+            for f in dataclasses.fields(getattr(self, name)):
+                size = getattr(getattr(self, name), f.name)
+                if f.type == "int" and size < 1:
+                    raise ValueError(f"Pi05Config: {name}.{f.name} must be a positive integer, got {size!r}.")
+        for attr in ("vocab_size", "action_dim", "action_horizon", "num_steps", "max_token_len"):
+            if getattr(self, attr) < 1:
+                raise ValueError(f"Pi05Config: {attr} must be a positive integer, got {getattr(self, attr)!r}.")
         self.camera_slots = tuple(self.camera_slots)
         self.value_hidden = tuple(self.value_hidden)
         self.noise_hidden = tuple(self.noise_hidden)

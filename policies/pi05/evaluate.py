@@ -17,7 +17,7 @@ import torch
 from .inputs import ModelInputs
 from .model import Pi05Model
 from .rollout import prefix_values, run_prefix_stage
-from .sampler import SamplingOptions, StepTables, gaussian_log_prob, transition
+from .sampler import NO_NOISE_HEAD, SamplingOptions, StepTables, gaussian_log_prob, transition
 
 
 @dataclass
@@ -46,6 +46,8 @@ def evaluate_rollout(
     train_prefix: bool,
 ) -> EvalOutput:
     """Recompute log-probs / values / entropy for stored chains (B, K+1, H, D)."""
+    if opts.method == "noise" and model.noise_head is None:
+        raise ValueError(NO_NOISE_HEAD)
     k = opts.num_steps
     c, a = opts.action_chunk, opts.action_dim
     tables = StepTables.build(k, chains.device)

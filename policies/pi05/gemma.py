@@ -17,9 +17,19 @@ Modulation = tuple[torch.Tensor, torch.Tensor, torch.Tensor]
 """(scale, shift, gate), each (B or 1, 1, width) float32, broadcast over tokens."""
 
 
+def upcast(x: torch.Tensor) -> torch.Tensor:
+    """`x` in at least float32: float64 stays float64 (float64 models for gradcheck/references), else float32."""
+    return x if x.dtype == torch.float64 else x.float()
+
+
+def upcast_dtype(dtype: torch.dtype) -> torch.dtype:
+    """The dtype `upcast` gives for a tensor of `dtype`."""
+    return torch.float64 if dtype == torch.float64 else torch.float32
+
+
 def rms_normalize(x: torch.Tensor, eps: float) -> torch.Tensor:
-    """X * rsqrt(mean(x^2) + eps) in float32."""
-    x = x.float()
+    """X * rsqrt(mean(x^2) + eps) in float32 (float64 for float64 inputs)."""
+    x = upcast(x)
     return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps)
 
 
@@ -33,7 +43,7 @@ class RMSNorm(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """(..., width) -> (..., width) in x's dtype."""
-        return (rms_normalize(x, self.eps) * (1.0 + self.weight.float())).to(x.dtype)
+        return (rms_normalize(x, self.eps) * (1.0 + upcast(self.weight))).to(x.dtype)
 
 
 class AdaRMSNorm(nn.Module):
@@ -50,7 +60,7 @@ class AdaRMSNorm(nn.Module):
 
     def modulation(self, cond: torch.Tensor) -> Modulation:
         """(B, width) float32 condition -> (scale, shift, gate), each (B, 1, width) float32."""
-        m = F.linear(cond.float(), self.dense.weight.float(), self.dense.bias.float())
+        m = F.linear(upcast(cond), upcast(self.dense.weight), upcast(self.dense.bias))
         scale, shift, gate = m[:, None, :].chunk(3, dim=-1)
         return scale, shift, gate
 
@@ -71,8 +81,8 @@ def rope_cos_sin(positions: torch.Tensor, head_dim: int, theta: float) -> tuple[
 
 
 def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """Rotate-half RoPE on (B, N, T, hd); computed in float32, cast back."""
-    xf = x.float()
+    """Rotate-half RoPE on (B, N, T, hd); computed in float32 (float64 for float64 x), cast back."""
+    xf = upcast(x)
     x1, x2 = xf.chunk(2, dim=-1)
     rotated = torch.cat([-x2, x1], dim=-1)
     return (xf * cos + rotated * sin).to(x.dtype)
@@ -163,5 +173,5 @@ class GemmaStack(nn.Module):
     def embed(self, tokens: torch.Tensor) -> torch.Tensor:
         """Token ids -> embeddings x sqrt(width), the factor cast to the table dtype (applied exactly once)."""
         table = self.embed_tokens.weight
-        scale = torch.tensor(self.cfg.width**0.5, dtype=table.dtype, device=table.device)
+        scale = float(torch.tensor(self.cfg.width**0.5, dtype=table.dtype))  # host scalar: capture-safe
         return F.embedding(tokens.long(), table) * scale

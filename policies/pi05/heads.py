@@ -10,6 +10,8 @@ import math
 import torch
 from torch import nn
 
+from .gemma import upcast
+
 
 class ValueHead(nn.Module):
     """Linear-ReLU MLP ending in one unit: (B, in_dim) -> (B,) float32.
@@ -44,7 +46,7 @@ class ValueHead(nn.Module):
 
     def forward(self, features: torch.Tensor) -> torch.Tensor:
         """Pooled features -> values."""
-        return self.mlp(features.float())[..., 0]
+        return self.mlp(upcast(features))[..., 0]
 
 
 class NoiseHead(nn.Module):
@@ -73,6 +75,6 @@ class NoiseHead(nn.Module):
 
     def forward(self, suffix_out: torch.Tensor) -> torch.Tensor:
         """(B, H, width) float32 -> std (B, H, D) float32."""
-        r = self.mlp(suffix_out.float())
+        r = self.mlp(upcast(suffix_out))
         log_var = self.log_var_min + (self.log_var_max - self.log_var_min) * (torch.tanh(r) + 1.0) * 0.5
         return torch.exp(0.5 * log_var)

@@ -21,7 +21,7 @@ from torch import nn
 
 from .attention import AttentionConfig, AttentionPlan, attend
 from .config import Pi05Config
-from .gemma import AdaRMSNorm, GemmaStack, Modulation, RMSNorm, rope_cos_sin
+from .gemma import AdaRMSNorm, GemmaStack, Modulation, RMSNorm, rope_cos_sin, upcast, upcast_dtype
 from .heads import NoiseHead, ValueHead
 from .siglip import SiglipVisionTower
 
@@ -54,12 +54,14 @@ class PrefixCache:
     suffix_offset: int | None = None
 
 
-def sinusoidal_time_embedding(t: torch.Tensor, dim: int, min_period: float, max_period: float) -> torch.Tensor:
-    """(B,) times -> (B, dim) float32 [sin | cos] embedding, computed in float64 as openpi-PyTorch/LeRobot."""
+def sinusoidal_time_embedding(
+    t: torch.Tensor, dim: int, min_period: float, max_period: float, dtype: torch.dtype = torch.float32
+) -> torch.Tensor:
+    """(B,) times -> (B, dim) [sin | cos] embedding in `dtype`, computed in float64 as openpi-PyTorch/LeRobot."""
     fraction = torch.linspace(0.0, 1.0, dim // 2, dtype=torch.float64, device=t.device)
     period = min_period * (max_period / min_period) ** fraction
     angle = (2.0 * math.pi) * t.to(torch.float64)[:, None] / period[None, :]
-    return torch.cat([torch.sin(angle), torch.cos(angle)], dim=-1).to(torch.float32)
+    return torch.cat([torch.sin(angle), torch.cos(angle)], dim=-1).to(dtype)
 
 
 class Pi05Model(nn.Module):
@@ -175,7 +177,9 @@ class Pi05Model(nn.Module):
     # ---------------------------------------------------------------------------------------- expert
     def time_condition(self, t: torch.Tensor) -> torch.Tensor:
         """(B,) times -> (B, We) float32 adaRMS condition: swish(out(swish(in(sincos(t)))))."""
-        emb = sinusoidal_time_embedding(t, self.config.expert.width, self.config.min_period, self.config.max_period)
+        cfg = self.config
+        dtype = upcast_dtype(self.time_mlp_in.weight.dtype)
+        emb = sinusoidal_time_embedding(t, cfg.expert.width, cfg.min_period, cfg.max_period, dtype)
         hidden = F.silu(self.time_mlp_in(emb))
         return F.silu(self.time_mlp_out(hidden))
 
@@ -187,7 +191,7 @@ class Pi05Model(nn.Module):
         """One expert pass at the noisy actions x_t (B, H, D) -> final-norm output (B, H, We) float32."""
         cfg = self.config.expert
         b, h, _ = x_t.shape
-        x = self.action_in_proj(x_t.float()).to(self.compute_dtype)
+        x = self.action_in_proj(x_t.to(upcast_dtype(self.action_in_proj.weight.dtype))).to(self.compute_dtype)
         offsets = torch.arange(h, device=x_t.device)
         positions = cache.num_valid[:, None] + offsets[None, :]
         cos, sin = rope_cos_sin(positions, cfg.head_dim, cfg.rope_theta)
@@ -207,24 +211,25 @@ class Pi05Model(nn.Module):
             hidden, gate = layer.post_attention_layernorm(x, mods[2 * i + 1])
             x = x + layer.mlp(hidden) * gate
         out, _ = self.expert.norm(x, mods[-1])
-        return out.float()
+        return upcast(out)
 
     def velocity(self, suffix_out: torch.Tensor) -> torch.Tensor:
         """Expert output (B, H, We) -> velocity v (B, H, D) float32."""
-        return self.action_out_proj(suffix_out.float())
+        return self.action_out_proj(upcast(suffix_out))
 
     # ------------------------------------------------------------------------------------------ heads
     def prefix_value(self, cache: PrefixCache) -> torch.Tensor:
         """Critic on the mean LM output over valid prefix tokens -> (B,)."""
         assert cache.output is not None and self.value_head is not None
-        w = cache.key_mask.float()[..., None]
-        pooled = (cache.output.float() * w).sum(dim=1) / w.sum(dim=1).clamp_min(1.0)
+        output = upcast(cache.output)
+        w = cache.key_mask.to(output.dtype)[..., None]
+        pooled = (output * w).sum(dim=1) / w.sum(dim=1).clamp_min(1.0)
         return self.value_head(pooled)
 
     def suffix_value(self, suffix_out: torch.Tensor, positions: int | None = None) -> torch.Tensor:
         """Critic on the expert output pooled over the first `positions` (default all H) tokens -> (B,)."""
         assert self.value_head is not None
-        pooled = suffix_out[:, : positions or suffix_out.shape[1]].float().mean(dim=1)
+        pooled = upcast(suffix_out[:, : positions or suffix_out.shape[1]]).mean(dim=1)
         return self.value_head(pooled)
 
     # ---------------------------------------------------------------------------------------- sampling

@@ -26,6 +26,11 @@ from .. import rng
 
 METHODS = ("ode", "sde", "noise")
 _LOG_SQRT_2PI = 0.5 * math.log(2.0 * math.pi)
+NO_NOISE_HEAD = (
+    "method='noise' needs the learned noise head, but this model has none (Pi05Config.noise_head=False); "
+    "use method='sde', or a config with noise_head=True."
+)
+"""Error text for a `noise` rollout/evaluation on a model without a noise head (it would silently be an ODE)."""
 
 
 @dataclass(frozen=True)

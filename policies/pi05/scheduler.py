@@ -23,7 +23,7 @@ import torch
 from .inputs import ModelInputs
 from .model import Pi05Model, PrefixCache
 from .rollout import RolloutOutputs, RolloutTables, prefix_values, run_denoise_stage, run_prefix_stage
-from .sampler import ControlInputs, SamplingOptions, controls, draw_noise
+from .sampler import NO_NOISE_HEAD, ControlInputs, SamplingOptions, controls, draw_noise
 
 
 class GraphKeyError(ValueError):
@@ -283,6 +283,8 @@ class Pi05Scheduler:
                 f"num_steps={opts.num_steps} was not declared in setup(num_steps={self.config.num_steps}); "
                 "declare it in SchedulerConfig.num_steps (a table and graphs are built per K)."
             )
+        if opts.method == "noise" and self.model.noise_head is None:
+            raise ValueError(NO_NOISE_HEAD)
         cams = tuple(inputs.slots)
         if cams not in self.config.camera_sets:
             raise GraphKeyError(

@@ -1,0 +1,553 @@
+"""The PI0.5 processor: canonical observations (DESIGN C1) to `ModelInputs`, model actions to env actions.
+
+Pre-processing of a batch of N observations:
+  images  {camera: (N, H, W, 3) uint8}  -> camera map -> resize-with-pad -> (N, cams, 3, S, S) uint8
+  state   (N, S_state) float            -> normalise (quantile / mean-std, epsilon rule) -> bins
+  task    N strings                     -> prompt format -> (N, L) int32 ids + (N,) lengths (on device)
+Post-processing: (N, H, 32) model actions -> first C steps -> first A dims -> un-normalise -> gripper map.
+
+Inputs are validated at this boundary; errors name the key, the expected and received value and a fix, and
+leave the processor unchanged.
+"""
+
+from __future__ import annotations
+
+import json
+import warnings
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field, fields, replace
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+
+from policies.pi05.config import CAMERA_SLOTS, Pi05Config
+from policies.pi05.image_ops import RESIZE_MODES, resize_cameras
+from policies.pi05.inputs import ModelInputs
+from policies.pi05.normalize import (
+    EPS_RULES,
+    NORM_MODES,
+    STATS_FILE,
+    Normalizer,
+    NormStats,
+    lerobot_norm_mode,
+    load_norm_stats,
+    save_norm_stats,
+)
+from policies.pi05.presets import Preset, get_preset, infer_preset
+from policies.pi05.prompt import DEFAULT_BUCKETS, PROMPT_FORMATS, PromptBuilder, capped_buckets, clean_task
+from policies.pi05.tokenizer import (
+    DEFAULT_TOKENIZER,
+    PALIGEMMA_VOCAB_SIZE,
+    PromptTokenizer,
+    check_vocab,
+    load_tokenizer,
+)
+
+CONFIG_FILE = "processor_config.json"
+"""File written by `Pi05Processor.save_pretrained`."""
+GRIPPER_MAPS: tuple[str, ...] = ("none", "binary", "invert")
+"""``binary``: g -> +1 if g > threshold else -1 (RLinf ManiSkill); ``invert``: g -> -g."""
+
+_STATS_FIELDS = ("state_stats", "action_stats")
+
+
+@dataclass
+class ProcessorConfig:
+    """Every option of `Pi05Processor`; saved as ``processor_config.json`` (statistics in ``norm_stats.json``).
+
+    Example:
+        >>> cfg = ProcessorConfig(camera_map={"image": "base_0_rgb"}, prompt_format="text", action_dim=7)
+        >>> ProcessorConfig.from_dict(cfg.to_dict()) == cfg
+        True
+        >>> ProcessorConfig.from_preset("openpi_pi05_libero").resize_mode
+        'antialias'
+    """
+
+    camera_map: dict[str, str] = field(default_factory=lambda: {s: s for s in CAMERA_SLOTS})
+    """Env camera name -> model slot name; slots no camera maps to are not computed."""
+    camera_slots: tuple[str, ...] = CAMERA_SLOTS
+    """Model slots in prefix order (`ModelInputs.slots` indexes this)."""
+    image_size: int = 224
+    """Model image resolution S."""
+    resize_mode: str = "antialias"
+    """``"antialias"`` (PIL-compatible, openpi) or ``"bilinear"`` (torch, LeRobot/phyai)."""
+    rotate180: bool = False
+    """Rotate every image by 180 degrees (for sources whose adapter does not; LIBERO adapters already do)."""
+    hflip: bool = False
+    """Mirror every image left-right."""
+    prompt_format: str = "state"
+    """``"state"``, ``"lerobot_no_state"`` or ``"text"``."""
+    max_token_len: int = 200
+    """Maximum prompt length; longer prompts are truncated with a one-time warning."""
+    prompt_buckets: tuple[int, ...] = DEFAULT_BUCKETS
+    """Prompt lengths L a call may return (capped at max_token_len)."""
+    norm_mode: str = "quantile"
+    """``"identity"``, ``"mean_std"`` or ``"quantile"`` for state and actions."""
+    eps_rule: str = "openpi"
+    """``"openpi"`` (+1e-6), ``"lerobot"`` (1e-8 only where q99 == q01) or ``"phyai"`` (+1e-8)."""
+    state_stats: NormStats | None = None
+    """Statistics of the env state (None: the state is used as is)."""
+    action_stats: NormStats | None = None
+    """Statistics of the env actions (None: actions are not un-normalised)."""
+    state_dim: int | None = None
+    """Expected state width (None: any; statistics, when present, fix it)."""
+    action_dim: int = 32
+    """Env action dims A kept from the model's dims."""
+    model_action_dim: int = 32
+    """Padded model action dims."""
+    gripper_map: str = "none"
+    """Post-processing of the gripper action: ``"none"``, ``"binary"`` or ``"invert"``."""
+    gripper_index: int = -1
+    """Env action index of the gripper."""
+    gripper_threshold: float = 0.5
+    """Threshold of the ``"binary"`` gripper map."""
+    tokenizer: str = DEFAULT_TOKENIZER
+    """Tokenizer hub id or local folder (never replaced by the stand-in)."""
+    vocab_size: int = PALIGEMMA_VOCAB_SIZE
+    """Model embedding rows; a tokenizer with more tokens is refused."""
+    check_finite_on_device: bool = False
+    """Also reject NaN/Inf in states that arrive on an accelerator (costs a device-to-host sync)."""
+    action_horizon: int | None = None
+    """Preset's model horizon H (read by the policy; None: the model config decides)."""
+    action_chunk: int | None = None
+    """Preset's default executed chunk C (read by the policy; None: the policy decides)."""
+    num_steps: int | None = None
+    """Preset's default denoise steps K (read by the policy; None: the model config decides)."""
+    preset: str | None = None
+    """Name of the preset this config came from (informational; used to infer it on reload)."""
+
+    def __post_init__(self) -> None:
+        self.camera_map = {str(k): str(v) for k, v in dict(self.camera_map).items()}
+        self.camera_slots = tuple(self.camera_slots)
+        self.prompt_buckets = tuple(int(b) for b in self.prompt_buckets)
+        for name in _STATS_FIELDS:
+            value = getattr(self, name)
+            if isinstance(value, Mapping):
+                setattr(self, name, NormStats.from_dict(dict(value)))
+        choices = {
+            "resize_mode": RESIZE_MODES,
+            "prompt_format": PROMPT_FORMATS,
+            "norm_mode": NORM_MODES,
+            "eps_rule": EPS_RULES,
+            "gripper_map": GRIPPER_MAPS,
+        }
+        for key, allowed in choices.items():
+            if getattr(self, key) not in allowed:
+                raise ValueError(f"ProcessorConfig.{key}: expected one of {allowed}, got {getattr(self, key)!r}.")
+        if not self.camera_map:
+            raise ValueError("ProcessorConfig.camera_map: expected at least one camera -> slot entry, got {}.")
+        unknown = sorted(set(self.camera_map.values()) - set(self.camera_slots))
+        if unknown:
+            raise ValueError(
+                f"ProcessorConfig.camera_map: slots {unknown} are not model slots; expected names from "
+                f"{self.camera_slots}."
+            )
+        if len(set(self.camera_map.values())) != len(self.camera_map):
+            raise ValueError(
+                f"ProcessorConfig.camera_map: two cameras map to the same slot in {self.camera_map}; "
+                "each slot takes one camera."
+            )
+        if self.image_size < 1 or self.max_token_len < 2:
+            raise ValueError(
+                f"ProcessorConfig: image_size must be >= 1 and max_token_len >= 2, got {self.image_size} and "
+                f"{self.max_token_len}."
+            )
+        if not 1 <= self.action_dim <= self.model_action_dim:
+            raise ValueError(
+                f"ProcessorConfig.action_dim: expected 1..model_action_dim ({self.model_action_dim}), got "
+                f"{self.action_dim}."
+            )
+        capped_buckets(self.prompt_buckets, self.max_token_len)
+        if self.state_stats is not None and self.norm_mode != "identity":
+            self.state_stats.require(self.norm_mode, "state")
+            if self.state_dim is not None and self.state_stats.width != self.state_dim:
+                raise ValueError(
+                    f"ProcessorConfig: state_stats cover {self.state_stats.width} dims but state_dim is "
+                    f"{self.state_dim}; give matching statistics or state_dim=None."
+                )
+        if self.action_stats is not None and self.norm_mode != "identity":
+            self.action_stats.require(self.norm_mode, "action")
+
+    # ------------------------------------------------------------------------------------- serialising
+    def to_dict(self) -> dict[str, Any]:
+        """JSON-able dict of every option except the statistics (those go to ``norm_stats.json``)."""
+        out: dict[str, Any] = {}
+        for f in fields(self):
+            if f.name in _STATS_FIELDS:
+                continue
+            value = getattr(self, f.name)
+            out[f.name] = list(value) if isinstance(value, tuple) else value
+        return out
+
+    @classmethod
+    def from_dict(cls, data: Mapping[str, Any], **stats: NormStats | None) -> ProcessorConfig:
+        """Build from `to_dict()` output (plus optional ``state_stats=`` / ``action_stats=``)."""
+        known = {f.name for f in fields(cls)}
+        unknown = sorted(set(data) - known)
+        if unknown:
+            raise ValueError(f"{CONFIG_FILE}: unknown ProcessorConfig keys {unknown}; known keys are {sorted(known)}.")
+        return cls(**dict(data), **stats)
+
+    @classmethod
+    def from_preset(cls, preset: str | Preset, **overrides: Any) -> ProcessorConfig:
+        """The processor options of a named preset, with `overrides` applied."""
+        p = get_preset(preset) if isinstance(preset, str) else preset
+        base: dict[str, Any] = dict(
+            camera_map=dict(p.camera_map),
+            resize_mode=p.resize_mode,
+            prompt_format=p.prompt_format,
+            max_token_len=p.max_token_len,
+            norm_mode=p.norm_mode,
+            eps_rule=p.eps_rule,
+            state_dim=p.state_dim,
+            action_dim=p.action_dim,
+            tokenizer=p.tokenizer,
+            action_horizon=p.action_horizon,
+            action_chunk=p.action_chunk,
+            num_steps=p.num_steps,
+            preset=p.name,
+        )
+        base.update(overrides)
+        return cls(**base)
+
+
+def _shape(x: Any) -> tuple[int, ...]:
+    return tuple(getattr(x, "shape", ()))
+
+
+def _dtype_name(x: Any) -> str:
+    dtype = getattr(x, "dtype", type(x).__name__)
+    return str(dtype).replace("torch.", "")
+
+
+class Pi05Processor:
+    """Turns canonical observations into `ModelInputs` on a device, and model actions into env actions.
+
+    Example:
+        >>> import tempfile, numpy as np
+        >>> from policies.pi05.tokenizer import build_standin_tokenizer
+        >>> cfg = ProcessorConfig(camera_map={"image": "base_0_rgb"}, image_size=32,
+        ...                       tokenizer=str(build_standin_tokenizer(tempfile.mkdtemp())), action_dim=7)
+        >>> proc = Pi05Processor(cfg)
+        >>> obs = {"images": {"image": np.zeros((2, 48, 64, 3), np.uint8)},
+        ...        "state": np.zeros((2, 8), np.float32), "task": ["open the drawer", "close it"]}
+        >>> x = proc(obs)
+        >>> tuple(x.images.shape), x.slots, x.tokens.dtype
+        ((2, 1, 3, 32, 32), (0,), torch.int32)
+        >>> proc.postprocess(torch.zeros(2, 10, 32), action_chunk=5).shape
+        torch.Size([2, 5, 7])
+    """
+
+    def __init__(
+        self,
+        config: ProcessorConfig,
+        device: torch.device | str = "cpu",
+        tokenizer: PromptTokenizer | None = None,
+    ) -> None:
+        self.config = config
+        self.device = torch.device(device)
+        self.tokenizer = tokenizer if tokenizer is not None else load_tokenizer(config.tokenizer)
+        check_vocab(self.tokenizer, config.vocab_size)
+        slot_index = {name: i for i, name in enumerate(config.camera_slots)}
+        used = sorted((slot_index[slot], cam) for cam, slot in config.camera_map.items())
+        self.slots: tuple[int, ...] = tuple(i for i, _ in used)
+        """Model slot index of each used camera, in slot order."""
+        self.cameras: tuple[str, ...] = tuple(cam for _, cam in used)
+        """Env camera names in the order of `slots`."""
+        self.state_normalizer = Normalizer(config.state_stats, config.norm_mode, config.eps_rule, self.device)
+        self.action_normalizer = Normalizer(config.action_stats, config.norm_mode, config.eps_rule, self.device)
+        self.prompt = PromptBuilder(
+            self.tokenizer, config.prompt_format, config.max_token_len, config.prompt_buckets, self.device
+        )
+        if config.norm_mode != "identity" and config.prompt_format == "state" and config.state_stats is None:
+            warnings.warn(
+                f"Pi05Processor: norm_mode={config.norm_mode!r} but no state statistics; the raw state is "
+                "discretised into the prompt. Pass state_stats (or load a checkpoint with norm stats).",
+                stacklevel=2,
+            )
+
+    @classmethod
+    def for_config(
+        cls,
+        model_config: Pi05Config,
+        *,
+        action_dim: int = 7,
+        device: torch.device | str = "cpu",
+        tokenizer: PromptTokenizer | str | Path | None = None,
+        preset: str | None = None,
+        **overrides: Any,
+    ) -> Pi05Processor:
+        """A processor matching a model geometry (image size, slots, prompt length, vocab, action dims).
+
+        `tokenizer` is a loaded tokenizer or a name/folder (stored in the config); `preset` (optional)
+        supplies the conventions; `overrides` replace any `ProcessorConfig` field.
+        """
+        if isinstance(tokenizer, str | Path):
+            overrides["tokenizer"] = str(tokenizer)
+            tokenizer = None
+        geometry: dict[str, Any] = dict(
+            camera_slots=tuple(model_config.camera_slots),
+            image_size=model_config.vision.image_size,
+            max_token_len=model_config.max_token_len,
+            vocab_size=model_config.vocab_size,
+            model_action_dim=model_config.action_dim,
+            action_dim=action_dim,
+        )
+        geometry.update(overrides)
+        if preset is not None:
+            config = ProcessorConfig.from_preset(preset, **geometry)
+        else:
+            geometry.setdefault("camera_map", {s: s for s in model_config.camera_slots})
+            config = ProcessorConfig(**geometry)
+        return cls(config, device=device, tokenizer=tokenizer)
+
+    # ------------------------------------------------------------------------------------- properties
+    @property
+    def prompt_buckets(self) -> tuple[int, ...]:
+        """Prompt lengths L a call can return."""
+        return self.prompt.buckets
+
+    @property
+    def action_dim(self) -> int:
+        """A, env action dims returned by `postprocess`."""
+        return self.config.action_dim
+
+    @property
+    def action_horizon(self) -> int | None:
+        """Preset's horizon H, or None."""
+        return self.config.action_horizon
+
+    @property
+    def action_chunk(self) -> int | None:
+        """Preset's executed chunk C, or None."""
+        return self.config.action_chunk
+
+    # ------------------------------------------------------------------------------------- validation
+    def _validate(self, obs: Mapping[str, Any]) -> tuple[list[str], dict[str, Any], Any]:
+        """Check obs against C1 and this config; returns (tasks, images by camera, state or None)."""
+        if not isinstance(obs, Mapping):
+            raise TypeError(
+                f"obs: expected a mapping with keys 'images', 'state', 'task' (DESIGN C1), got {type(obs).__name__}."
+            )
+        for key in ("images", "task"):
+            if key not in obs:
+                raise ValueError(
+                    f"obs: missing key {key!r}; expected keys 'images', 'state', 'task', got {sorted(obs)}."
+                )
+        tasks = obs["task"]
+        if isinstance(tasks, str) or not isinstance(tasks, Sequence | np.ndarray):
+            raise TypeError(
+                f"obs['task']: expected a sequence of N strings, got {type(tasks).__name__}; wrap a single task "
+                "in a list: ['pick up the bowl']."
+            )
+        tasks = list(tasks)
+        n = len(tasks)
+        if n == 0:
+            raise ValueError("obs['task']: expected N >= 1 task strings, got an empty sequence.")
+        for i, t in enumerate(tasks):
+            if not isinstance(t, str):
+                raise TypeError(f"obs['task'][{i}]: expected str, got {type(t).__name__} ({t!r}).")
+            if not clean_task(t):
+                raise ValueError(
+                    f"obs['task'][{i}]: expected a non-empty task description, got {t!r}; every env needs an "
+                    "instruction."
+                )
+        images = obs["images"]
+        if not isinstance(images, Mapping):
+            raise TypeError(
+                f"obs['images']: expected a dict camera -> (N, H, W, 3) uint8, got {type(images).__name__}."
+            )
+        picked: dict[str, Any] = {}
+        for cam in self.cameras:
+            if cam not in images:
+                raise ValueError(
+                    f"obs['images']: missing camera {cam!r} required by camera_map {self.config.camera_map}; "
+                    f"got cameras {sorted(images)}. Rename the camera in the adapter or change camera_map."
+                )
+            img = images[cam]
+            key = f"obs['images'][{cam!r}]"
+            if not isinstance(img, np.ndarray | torch.Tensor):
+                raise TypeError(f"{key}: expected a numpy array or torch tensor, got {type(img).__name__}.")
+            if img.dtype not in (np.uint8, torch.uint8):
+                raise TypeError(
+                    f"{key}: expected dtype uint8, got {_dtype_name(img)}; convert [0, 1] floats with "
+                    "(x * 255).round() cast to uint8."
+                )
+            shape = _shape(img)
+            if len(shape) != 4 or shape[-1] != 3:
+                hint = " (channel-first? permute to (N, H, W, 3))" if len(shape) == 4 and shape[1] == 3 else ""
+                raise ValueError(f"{key}: expected shape (N, H, W, 3) with 3 RGB channels last, got {shape}{hint}.")
+            if shape[0] != n:
+                raise ValueError(
+                    f"{key}: batch size {shape[0]} disagrees with len(obs['task']) = {n}; every key needs N rows."
+                )
+            picked[cam] = img
+        state = obs.get("state")
+        needs_state = self.config.prompt_format == "state"
+        if state is None:
+            if needs_state:
+                raise ValueError(
+                    "obs['state']: missing; prompt_format='state' puts the state into the prompt. Provide an "
+                    "(N, S) float state or use prompt_format='text'."
+                )
+            return tasks, picked, None
+        if not isinstance(state, np.ndarray | torch.Tensor):
+            state = np.asarray(state)
+        shape = _shape(state)
+        is_float = (
+            state.is_floating_point() if isinstance(state, torch.Tensor) else np.issubdtype(state.dtype, np.floating)
+        )
+        if not is_float:
+            raise TypeError(
+                f"obs['state']: expected a float array, got dtype {_dtype_name(state)}; cast with .astype(np.float32)."
+            )
+        if len(shape) != 2:
+            raise ValueError(f"obs['state']: expected shape (N, S), got {shape}.")
+        if shape[0] != n:
+            raise ValueError(
+                f"obs['state']: batch size {shape[0]} disagrees with len(obs['task']) = {n}; every key needs N rows."
+            )
+        width = self.expected_state_dim
+        if width is not None and shape[1] != width:
+            raise ValueError(
+                f"obs['state']: expected width {width} (state statistics / state_dim), got {shape[1]}; build the "
+                "state the checkpoint was trained with or pass matching statistics."
+            )
+        on_host = isinstance(state, np.ndarray) or state.device.type == "cpu"
+        if on_host or self.config.check_finite_on_device:
+            finite = np.isfinite(state).all() if isinstance(state, np.ndarray) else bool(torch.isfinite(state).all())
+            if not finite:
+                raise ValueError(
+                    "obs['state']: expected finite values, got NaN or Inf; check the simulator state or reset the env."
+                )
+        return tasks, picked, state
+
+    @property
+    def expected_state_dim(self) -> int | None:
+        """State width the processor requires (statistics or `state_dim`), or None."""
+        if self.config.state_dim is not None:
+            return self.config.state_dim
+        if self.state_normalizer.width:
+            return self.state_normalizer.width
+        return None
+
+    # -------------------------------------------------------------------------------------------- call
+    def _to_device(self, x: np.ndarray | torch.Tensor) -> torch.Tensor:
+        if isinstance(x, np.ndarray):
+            if any(s < 0 for s in x.strides):
+                x = np.ascontiguousarray(x)
+            x = torch.from_numpy(x)
+        return x.to(self.device, non_blocking=True)
+
+    def __call__(self, obs: Mapping[str, Any]) -> ModelInputs:
+        """Process a batch of canonical observations into `ModelInputs` on the processor's device."""
+        tasks, images, state = self._validate(obs)
+        n = len(tasks)
+        cfg = self.config
+        pixels = resize_cameras(
+            [self._to_device(images[c]) for c in self.cameras],
+            cfg.image_size,
+            cfg.resize_mode,
+            rotate180=cfg.rotate180,
+            hflip=cfg.hflip,
+        )  # (N, cams, 3, S, S) uint8
+        state_norm = None
+        if state is not None:
+            state_norm = self.state_normalizer.normalize(self._to_device(state), out_dtype=None)
+        tokens, lengths = self.prompt(tasks, state_norm)
+        return ModelInputs(
+            images=pixels,
+            image_mask=torch.ones(n, len(self.slots), dtype=torch.bool, device=self.device),
+            slots=self.slots,
+            tokens=tokens,
+            lengths=lengths,
+            state=None if state_norm is None else state_norm.to(torch.float32),
+        )
+
+    def postprocess(self, model_actions: torch.Tensor, action_chunk: int | None = None) -> torch.Tensor:
+        """(N, H, D) model actions -> (N, C, A) float32 env actions (un-normalised, sliced, gripper-mapped).
+
+        Args:
+            model_actions: normalised, padded model output.
+            action_chunk: C, the leading steps to keep (default: all H).
+        """
+        if not isinstance(model_actions, torch.Tensor) or model_actions.ndim != 3:
+            raise ValueError(
+                f"postprocess: expected model_actions as a (N, H, D) tensor, got {type(model_actions).__name__} "
+                f"of shape {_shape(model_actions)}."
+            )
+        _, horizon, dim = model_actions.shape
+        cfg = self.config
+        if dim < cfg.action_dim:
+            raise ValueError(f"postprocess: model_actions has {dim} dims, fewer than action_dim={cfg.action_dim}.")
+        chunk = horizon if action_chunk is None else int(action_chunk)
+        if not 1 <= chunk <= horizon:
+            raise ValueError(
+                f"postprocess: action_chunk must be in 1..H={horizon}, got {action_chunk}; the model produced "
+                f"{horizon} steps."
+            )
+        actions = self.action_normalizer.unnormalize(model_actions[:, :chunk, : cfg.action_dim])
+        if cfg.gripper_map != "none":
+            g = actions[..., cfg.gripper_index]
+            if cfg.gripper_map == "binary":
+                mapped = torch.where(g > cfg.gripper_threshold, 1.0, -1.0).to(actions.dtype)
+            else:
+                mapped = -g
+            actions = actions.clone()
+            actions[..., cfg.gripper_index] = mapped
+        return actions
+
+    # -------------------------------------------------------------------------------------- save/load
+    def save_pretrained(self, folder: str | Path) -> Path:
+        """Write ``processor_config.json`` (+ ``norm_stats.json`` when statistics exist) into `folder`."""
+        root = Path(folder)
+        root.mkdir(parents=True, exist_ok=True)
+        (root / CONFIG_FILE).write_text(json.dumps(self.config.to_dict(), indent=2, sort_keys=True) + "\n")
+        stats = {
+            k: v
+            for k, v in (("state", self.config.state_stats), ("actions", self.config.action_stats))
+            if v is not None
+        }
+        if stats:
+            save_norm_stats(root, stats)
+        elif (root / STATS_FILE).exists():
+            (root / STATS_FILE).unlink()
+        return root
+
+    @classmethod
+    def from_pretrained(
+        cls,
+        folder: str | Path,
+        *,
+        device: torch.device | str = "cpu",
+        preset: str | None = None,
+        asset_id: str | None = None,
+        tokenizer: PromptTokenizer | None = None,
+        **overrides: Any,
+    ) -> Pi05Processor:
+        """Load a processor saved by `save_pretrained`, or build one for a LeRobot/openpi checkpoint folder.
+
+        A folder without ``processor_config.json`` takes its conventions from `preset` (inferred when None,
+        see `infer_preset`) and its statistics from the checkpoint files. `overrides` replace config fields.
+        """
+        root = Path(folder)
+        saved = root / CONFIG_FILE
+        if saved.is_file() and preset is None:
+            stats = load_norm_stats(root)
+            data = json.loads(saved.read_text())
+            config = ProcessorConfig.from_dict(data, state_stats=stats.get("state"), action_stats=stats.get("actions"))
+        else:
+            chosen = get_preset(preset) if preset is not None else infer_preset(root)
+            stats = load_norm_stats(root, asset_id=asset_id)
+            extra: dict[str, Any] = {}
+            mode = lerobot_norm_mode(root)
+            if mode is not None:
+                extra["norm_mode"] = mode
+            config = ProcessorConfig.from_preset(
+                chosen, state_stats=stats.get("state"), action_stats=stats.get("actions"), **extra
+            )
+        if overrides:
+            config = replace(config, **overrides)
+        return cls(config, device=device, tokenizer=tokenizer)

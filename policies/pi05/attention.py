@@ -36,6 +36,12 @@ def flash_attn_available() -> bool:
     return importlib.util.find_spec("flash_attn") is not None
 
 
+def additive_mask(key_mask: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """(B, S) bool key validity -> (B, 1, 1, S) additive mask (0 or MASK_VALUE) in `dtype`; build once per stage."""
+    mask = torch.zeros(key_mask.shape, dtype=dtype, device=key_mask.device)
+    return mask.masked_fill(~key_mask, MASK_VALUE)[:, None, None, :]
+
+
 def _eager(q, k, v, key_mask, scale):
     # (B, Nh, T, hd) x (B, Nkv, S, hd): expand the shared KV heads, softmax in fp32.
     groups = q.shape[1] // k.shape[1]
@@ -43,8 +49,10 @@ def _eager(q, k, v, key_mask, scale):
         k = k.repeat_interleave(groups, dim=1)
         v = v.repeat_interleave(groups, dim=1)
     scores = torch.matmul(q, k.transpose(-1, -2)).float() * scale
-    if key_mask is not None:
+    if key_mask is not None and key_mask.dtype == torch.bool:
         scores = scores.masked_fill(~key_mask[:, None, None, :], MASK_VALUE)
+    elif key_mask is not None:
+        scores = scores + key_mask.float()
     probs = torch.softmax(scores, dim=-1).to(v.dtype)
     return torch.matmul(probs, v)
 
@@ -52,8 +60,7 @@ def _eager(q, k, v, key_mask, scale):
 def _sdpa(q, k, v, key_mask, scale):
     mask = None
     if key_mask is not None:
-        mask = torch.zeros(key_mask.shape, dtype=q.dtype, device=q.device)
-        mask = mask.masked_fill(~key_mask, MASK_VALUE)[:, None, None, :]
+        mask = additive_mask(key_mask, q.dtype) if key_mask.dtype == torch.bool else key_mask.to(q.dtype)
     groups = q.shape[1] // k.shape[1]
     if groups > 1 and q.device.type == "cpu":
         # CPU SDPA kernels do not all support GQA; the expansion is cheap at CPU sizes.
@@ -79,7 +86,10 @@ def attend(
     scale: float,
     backend: str,
 ) -> torch.Tensor:
-    """Multi-query attention over key-valid masks; returns (B, Nh, T, hd) in v's dtype."""
+    """Multi-query attention; `key_mask` is (B, S) bool validity or a prebuilt `additive_mask`.
+
+    Returns (B, Nh, T, hd) in v's dtype.
+    """
     if backend == "sdpa":
         return _sdpa(q, k, v, key_mask, scale)
     if backend == "flash":

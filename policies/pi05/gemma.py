@@ -14,7 +14,7 @@ from torch import nn
 from .config import GemmaConfig
 
 Modulation = tuple[torch.Tensor, torch.Tensor, torch.Tensor]
-"""(scale, shift, gate), each (B or 1, 1, width) float32, broadcast over tokens."""
+"""(1 + scale, shift, gate), each (B or 1, 1, width), broadcast over tokens (precomputed per step at setup)."""
 
 
 def upcast(x: torch.Tensor) -> torch.Tensor:
@@ -28,13 +28,12 @@ def upcast_dtype(dtype: torch.dtype) -> torch.dtype:
 
 
 def rms_normalize(x: torch.Tensor, eps: float) -> torch.Tensor:
-    """X * rsqrt(mean(x^2) + eps) in float32 (float64 for float64 inputs)."""
-    x = upcast(x)
-    return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps)
+    """X * rsqrt(mean(x^2) + eps), statistics in float32 (one fused kernel where PyTorch has it), x's dtype."""
+    return F.rms_norm(x, (x.shape[-1],), eps=eps)
 
 
 class RMSNorm(nn.Module):
-    """Gemma RMSNorm with the (1 + w) multiplier, w zero-initialised."""
+    """Gemma RMSNorm with the (1 + w) multiplier, w zero-initialised (weight kept float32)."""
 
     def __init__(self, width: int, eps: float) -> None:
         super().__init__()
@@ -43,7 +42,9 @@ class RMSNorm(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """(..., width) -> (..., width) in x's dtype."""
-        return (rms_normalize(x, self.eps) * (1.0 + upcast(self.weight))).to(x.dtype)
+        if x.dtype in (torch.float32, torch.float64):
+            return rms_normalize(x, self.eps) * (1.0 + self.weight.to(x.dtype))
+        return (rms_normalize(x.float(), self.eps) * (1.0 + self.weight.float())).to(x.dtype)
 
 
 class AdaRMSNorm(nn.Module):
@@ -59,33 +60,49 @@ class AdaRMSNorm(nn.Module):
         nn.init.zeros_(self.dense.weight)
 
     def modulation(self, cond: torch.Tensor) -> Modulation:
-        """(B, width) float32 condition -> (scale, shift, gate), each (B, 1, width) float32."""
+        """(B, width) condition -> (1 + scale, shift, gate), each (B, 1, width) in float32 (float64 stays)."""
         m = F.linear(upcast(cond), upcast(self.dense.weight), upcast(self.dense.bias))
         scale, shift, gate = m[:, None, :].chunk(3, dim=-1)
-        return scale, shift, gate
+        return 1.0 + scale, shift, gate
 
     def forward(self, x: torch.Tensor, mod: Modulation) -> tuple[torch.Tensor, torch.Tensor]:
-        """Normalise x with a precomputed modulation; returns (y, gate) in x's dtype."""
-        scale, shift, gate = mod
-        y = rms_normalize(x, self.eps) * (1.0 + scale) + shift
+        """Normalise x with a modulation; returns (y, gate) in x's dtype.
+
+        In float32/float64 the whole formula runs in that dtype; for half dtypes the statistics are float32
+        inside the fused norm and the modulation is applied in x's dtype (the tables are stored so).
+        """
+        scale1, shift, gate = mod
+        if x.dtype in (torch.float32, torch.float64) or scale1.dtype == x.dtype:
+            y = torch.addcmul(shift.to(x.dtype), rms_normalize(x, self.eps), scale1.to(x.dtype))
+            return y, gate.to(x.dtype)
+        y = torch.addcmul(shift, rms_normalize(x.float(), self.eps), scale1)
         return y.to(x.dtype), gate.to(x.dtype)
 
 
-def rope_cos_sin(positions: torch.Tensor, head_dim: int, theta: float) -> tuple[torch.Tensor, torch.Tensor]:
-    """(B, T) int positions -> cos, sin of shape (B, 1, T, head_dim), float32 (rotate-half layout)."""
+def rope_cos_sin(
+    positions: torch.Tensor, head_dim: int, theta: float, dtype: torch.dtype = torch.float32
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """(B, T) int positions -> cos and signed sin, each (B, 1, T, head_dim) in `dtype` (rotate-half layout).
+
+    The angles are computed in float32 (float64 for float64); the signed sin is [-sin | sin] so that
+    `apply_rope` needs a half swap, not a concatenation.
+    """
     half = head_dim // 2
-    inv_freq = theta ** (-torch.arange(0, half, device=positions.device, dtype=torch.float32) * 2.0 / head_dim)
-    angles = positions.float()[..., None] * inv_freq  # (B, T, half)
-    angles = torch.cat([angles, angles], dim=-1)[:, None]
-    return angles.cos(), angles.sin()
+    work = upcast_dtype(dtype)
+    inv_freq = theta ** (-torch.arange(0, half, device=positions.device, dtype=work) * 2.0 / head_dim)
+    angles = positions.to(work)[..., None] * inv_freq  # (B, T, half)
+    sin = angles.sin()
+    cos = torch.cat([angles.cos(), angles.cos()], dim=-1)[:, None]
+    signed_sin = torch.cat([-sin, sin], dim=-1)[:, None]
+    return cos.to(dtype), signed_sin.to(dtype)
 
 
-def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """Rotate-half RoPE on (B, N, T, hd); computed in float32 (float64 for float64 x), cast back."""
-    xf = upcast(x)
-    x1, x2 = xf.chunk(2, dim=-1)
-    rotated = torch.cat([-x2, x1], dim=-1)
-    return (xf * cos + rotated * sin).to(x.dtype)
+def apply_rope(x: torch.Tensor, cos: torch.Tensor, signed_sin: torch.Tensor) -> torch.Tensor:
+    """Rotate-half RoPE on (B, N, T, hd): x cos + [x2 | x1] [-sin | sin], in the dtype of cos/sin."""
+    b, n, t, hd = x.shape
+    x = x.to(cos.dtype)
+    swapped = x.reshape(b, n, t, 2, hd // 2).flip(-2).reshape(b, n, t, hd)
+    return torch.addcmul(x * cos, swapped, signed_sin)
 
 
 class GemmaAttentionProj(nn.Module):

@@ -19,7 +19,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from .attention import AttentionConfig, AttentionPlan, attend
+from .attention import AttentionConfig, AttentionPlan, additive_mask, attend
 from .config import Pi05Config
 from .gemma import AdaRMSNorm, GemmaStack, Modulation, RMSNorm, rope_cos_sin, upcast, upcast_dtype
 from .heads import NoiseHead, ValueHead
@@ -52,6 +52,8 @@ class PrefixCache:
     num_valid: torch.Tensor
     output: torch.Tensor | None = None
     suffix_offset: int | None = None
+    suffix_rope: tuple[torch.Tensor, torch.Tensor] | None = None
+    suffix_mask: torch.Tensor | None = None
 
 
 def sinusoidal_time_embedding(
@@ -157,7 +159,8 @@ class Pi05Model(nn.Module):
         """
         cfg = self.config.llm
         positions = torch.cumsum(valid.long(), dim=1) - 1
-        cos, sin = rope_cos_sin(positions, cfg.head_dim, cfg.rope_theta)
+        cos, sin = rope_cos_sin(positions, cfg.head_dim, cfg.rope_theta, emb.dtype)
+        mask = additive_mask(valid, emb.dtype)  # built once, shared by every layer
         scale = cfg.head_dim**-0.5
         keys: list[torch.Tensor] = []
         values: list[torch.Tensor] = []
@@ -169,7 +172,7 @@ class Pi05Model(nn.Module):
             values.append(v)
             if last and not need_output:
                 break
-            x = x + layer.self_attn.out(attend(q, k, v, valid, scale, self.plan.prefix))
+            x = x + layer.self_attn.out(attend(q, k, v, mask, scale, self.plan.prefix))
             x = x + layer.mlp(layer.post_attention_layernorm(x))
         output = self.llm.norm(x) if need_output else None
         return PrefixCache(keys, values, valid, valid.long().sum(dim=1), output)
@@ -192,10 +195,13 @@ class Pi05Model(nn.Module):
         cfg = self.config.expert
         b, h, _ = x_t.shape
         x = self.action_in_proj(x_t.to(upcast_dtype(self.action_in_proj.weight.dtype))).to(self.compute_dtype)
-        offsets = torch.arange(h, device=x_t.device)
-        positions = cache.num_valid[:, None] + offsets[None, :]
-        cos, sin = rope_cos_sin(positions, cfg.head_dim, cfg.rope_theta)
-        key_mask = torch.cat([cache.key_mask, torch.ones(b, h, dtype=torch.bool, device=x_t.device)], dim=1)
+        if cache.suffix_rope is None:  # positions and mask are the same at every denoise step: build once
+            positions = cache.num_valid[:, None] + torch.arange(h, device=x_t.device)[None, :]
+            cache.suffix_rope = rope_cos_sin(positions, cfg.head_dim, cfg.rope_theta, x.dtype)
+            valid = torch.cat([cache.key_mask, torch.ones(b, h, dtype=torch.bool, device=x_t.device)], dim=1)
+            cache.suffix_mask = additive_mask(valid, x.dtype)
+        cos, sin = cache.suffix_rope
+        key_mask = cache.suffix_mask
         scale = cfg.head_dim**-0.5
         for i, layer in enumerate(self.expert.layers):
             hidden, gate = layer.input_layernorm(x, mods[2 * i])
@@ -207,9 +213,9 @@ class Pi05Model(nn.Module):
                 cache.keys[i][:, :, cache.suffix_offset :].copy_(k)
                 cache.values[i][:, :, cache.suffix_offset :].copy_(v)
                 k, v = cache.keys[i], cache.values[i]
-            x = x + layer.self_attn.out(attend(q, k, v, key_mask, scale, self.plan.expert)) * gate
+            x = torch.addcmul(x, layer.self_attn.out(attend(q, k, v, key_mask, scale, self.plan.expert)), gate)
             hidden, gate = layer.post_attention_layernorm(x, mods[2 * i + 1])
-            x = x + layer.mlp(hidden) * gate
+            x = torch.addcmul(x, layer.mlp(hidden), gate)
         out, _ = self.expert.norm(x, mods[-1])
         return upcast(out)
 

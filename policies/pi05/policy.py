@@ -177,7 +177,7 @@ class Pi05Policy(WeightSyncMixin):
         if rollout is None and policy_file.exists():
             rollout = RolloutConfig(**json.loads(policy_file.read_text())["rollout"])
         if rollout is None:
-            chunk = int(getattr(processor, "action_chunk", min(5, config.action_horizon)))
+            chunk = int(getattr(processor, "action_chunk", None) or min(5, config.action_horizon))
             rollout = RolloutConfig(num_steps=config.num_steps, action_chunk=chunk)
         if scheduler is None:
             scheduler = SchedulerConfig(
@@ -281,7 +281,8 @@ class Pi05Policy(WeightSyncMixin):
         opts = self.sampling_options(deterministic, action_chunk)
         with self._lock:
             seeds_t, counters = self._streams(inputs.batch_size, seeds, env_ids, advance=True)
-            out, inds = self.scheduler.rollout(inputs, seeds_t, counters, opts)
+            with self._weights_in_use():  # weight sync (C6): ordered after the last commit, before the next
+                out, inds = self.scheduler.rollout(inputs, seeds_t, counters, opts)
             model_actions = out.chain[:, -1]
             actions = self.processor.postprocess(model_actions, opts.action_chunk)
             elements = out.log_prob_elements[:, : opts.action_chunk, : opts.action_dim]
@@ -325,9 +326,11 @@ class Pi05Policy(WeightSyncMixin):
             if self.model.value_head is None:
                 return torch.zeros(n, device=self.device)
             if self.config.value_source == "prefix":
-                return self.scheduler.prefix_value(inputs)
+                with self._weights_in_use():  # weight sync (C6)
+                    return self.scheduler.prefix_value(inputs)
             seeds_t, counters = self._streams(n, None, env_ids, advance=False)
-            out, _ = self.scheduler.rollout(inputs, seeds_t, counters, self.sampling_options(deterministic=True))
+            with self._weights_in_use():  # weight sync (C6)
+                out, _ = self.scheduler.rollout(inputs, seeds_t, counters, self.sampling_options(deterministic=True))
             return out.values
 
     # -------------------------------------------------------------------------------------- evaluate
@@ -364,14 +367,15 @@ class Pi05Policy(WeightSyncMixin):
                     f"evaluate(batch): header {name} is {got!r} but this policy uses {want!r}; evaluate with "
                     "the settings the rollout used (or re-collect the batch)."
                 )
-        return evaluate_rollout(
-            self.model,
-            batch.inputs,
-            batch.chains,
-            batch.denoise_inds,
-            opts,
-            train_prefix=self.rollout.trainable == "all",
-        )
+        with self._weights_in_use():  # weight sync (C6): no commit interleaves with this forward
+            return evaluate_rollout(
+                self.model,
+                batch.inputs,
+                batch.chains,
+                batch.denoise_inds,
+                opts,
+                train_prefix=self.rollout.trainable == "all",
+            )
 
     # --------------------------------------------------------------------------------------- lifecycle
     def _check_open(self) -> None:
@@ -379,7 +383,8 @@ class Pi05Policy(WeightSyncMixin):
             raise RuntimeError("Pi05Policy is closed; create a new policy.")
 
     def close(self) -> None:
-        """Release graphs and buffers; further calls raise."""
+        """Release graphs and buffers; further calls raise. A weight update in flight is aborted."""
         with self._lock:
+            self._abort_weight_update_for_close()  # weight sync (C6): same lock, so no race with finish
             self._closed = True
             self.scheduler = None  # type: ignore[assignment]

@@ -19,14 +19,21 @@ from .sampler import Controls, StepTables, denoise
 
 @dataclass
 class KTables:
-    """Schedule and modulation tables for one K (all float32, refreshed in place)."""
+    """Schedule and modulation tables for one K, refreshed in place.
+
+    Attributes:
+        steps: t, Delta and sigma tables.
+        modulation: (n_norms, K, 3 * We) float32 [1 + scale | shift | gate] of every adaRMS norm at every t_i.
+        step_table: the same in the compute dtype, what the denoise loop reads (no per-step cast).
+    """
 
     steps: StepTables
-    modulation: torch.Tensor  # (n_norms, K, 3 * We)
+    modulation: torch.Tensor
+    step_table: torch.Tensor
 
     def step_mods(self, i: int) -> list[Modulation]:
-        """(scale, shift, gate) of every norm at step i, each (1, 1, We)."""
-        rows = self.modulation[:, i]  # (n_norms, 3We)
+        """(1 + scale, shift, gate) of every norm at step i, each (1, 1, We), views of the table."""
+        rows = self.step_table[:, i]  # (n_norms, 3We)
         return [tuple(r[None, None].chunk(3, dim=-1)) for r in rows]  # type: ignore[misc]
 
 
@@ -45,9 +52,11 @@ class RolloutTables:
         self.model = model
         device = next(model.parameters()).device
         self.tables: dict[int, KTables] = {}
+        dtype = model.compute_dtype
         for k in num_steps:
             steps = StepTables.build(k, device)
-            self.tables[k] = KTables(steps, self._modulation(steps))
+            modulation = self._modulation(steps)
+            self.tables[k] = KTables(steps, modulation, modulation.to(dtype))
 
     def _modulation(self, steps: StepTables) -> torch.Tensor:
         with torch.no_grad():
@@ -65,6 +74,7 @@ class RolloutTables:
         """Recompute every table in place from the current weights (keeps storage, so graphs stay valid)."""
         for table in self.tables.values():
             table.modulation.copy_(self._modulation(table.steps))
+            table.step_table.copy_(table.modulation)
 
 
 @dataclass

@@ -1,5 +1,626 @@
-"""Weight-sync hook (placeholder; being implemented)."""
+"""Weight sync (DESIGN C6): transactional, in-place weight updates of a running `Pi05Policy`.
+
+One update is a transaction::
+
+    begin_weight_update(expected)        fix the names this update must deliver
+    update_weights(named_tensors)  ...   validate names / shapes / duplicates, stage copies on a side stream
+    finish_weight_update()               check completeness and finiteness, then commit in place
+    abort_weight_update()                drop the staging buffers
+
+Nothing is written into a parameter before `finish_weight_update` has validated everything, so an abort or
+any failure leaves the weights bit-identical and the policy serving them. Staged tensors live in one flat
+buffer per dtype (the parameter's dtype: fp32 islands stay fp32), filled on a dedicated CUDA stream with
+non-blocking copies from GPU or pinned host memory.
+
+The commit is queued on the compute stream (the current stream of the thread calling `finish`, which is the
+stream `act()` replays on): it waits on the staging stream and on the stream of every earlier weight reader,
+copies into the existing parameter storage (never rebinding `.data`), refreshes the weight-derived tables in
+place (`Pi05Scheduler.refresh_tables`) and records a commit event that the next reader waits on. Captured
+CUDA graphs read parameters and tables by address, so they stay valid and nothing is recaptured; `act()`
+serves the old weights until the commit, and the host never waits for the compute stream (finish waits for
+the staging stream only: one min/max reduction per dtype checks finiteness). On CPU it all degenerates to
+plain copies.
+
+Locking: every step that touches the transaction, the commit included, holds the policy's `_lock` (the lock
+`act()` holds), so `act()` and a commit never interleave on the host; a source iterator is consumed outside
+it, so `act()` keeps serving while a trainer streams tensors. `close()` aborts an update in flight.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import threading
+import time
+from collections.abc import Iterable, Iterator, Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
+
+import torch
+
+from .checkpoint import TIED_EMBEDDING, to_internal_name
+
+if TYPE_CHECKING:
+    from .model import Pi05Model
+    from .scheduler import Pi05Scheduler
+
+WeightSource = Mapping[str, Any] | Iterable[tuple[str, Any]] | torch.nn.Module
+"""A mapping name -> tensor, an iterable of (name, tensor) pairs, or an `nn.Module` (its named_parameters)."""
+
+_GROUP_TENSORS = 128
+"""Tensors of one `update_weights` call are validated and staged in groups of at most this many ..."""
+_GROUP_BYTES = 256 << 20
+"""... or this many source bytes (bounds what a generator's materialised tensors may pin)."""
+_WRAPPER_SEGMENTS = ("_fsdp_wrapped_module.", "_checkpoint_wrapped_module.", "_orig_mod.")
+"""Name segments that FSDP1, activation checkpointing and torch.compile insert into module names."""
+
+
+class WeightSyncError(ValueError):
+    """A weight update was refused; the message names the tensor, what was expected, what came, and the fix.
+
+    Whenever it is raised the update has ended and the weights are unchanged.
+    """
+
+
+class WeightSyncStateError(WeightSyncError, RuntimeError):
+    """A weight-sync call out of order: finish/update/abort without begin, begin twice, use after close."""
+
+
+@dataclass
+class WeightUpdateReport:
+    """What one committed weight update did.
+
+    Attributes:
+        version: the policy's weight version after the commit (what `PolicyOutput.header` reports from now on).
+        names: our parameter names written, in arrival order.
+        num_tensors: len(names).
+        num_bytes: bytes written into parameters (in the parameters' dtypes).
+        source_bytes: bytes read from the sources (in the sources' dtypes).
+        skipped: source names not written: known dead keys, and (`sync_weights` only) parameters outside
+            the expected set.
+        duration_s: host seconds from `begin_weight_update` to the queued commit.
+        expected: the expected set: "all", "trainable" or "list".
+    """
+
+    version: int
+    names: list[str]
+    num_tensors: int
+    num_bytes: int
+    source_bytes: int
+    skipped: list[str] = field(default_factory=list)
+    duration_s: float = 0.0
+    expected: str = "trainable"
+
+
+class _Transaction:
+    """The state of one open update: expected names, the staging buffers, what has arrived."""
+
+    def __init__(self, params: dict[str, torch.nn.Parameter], expected: list[str], mode: str, stream: Any) -> None:
+        self.params = params
+        self.expected = expected
+        self.expected_set = frozenset(expected)
+        self.mode = mode
+        self.started = time.perf_counter()
+        device = params[expected[0]].device
+        self.stream: torch.cuda.Stream | None = stream  # the policy's staging stream (None on CPU)
+        sizes: dict[torch.dtype, int] = {}
+        for name in expected:
+            p = params[name]
+            sizes[p.dtype] = sizes.get(p.dtype, 0) + p.numel()
+        with self.on_stream():  # flat staging buffers, one per dtype, allocated on the staging stream
+            self.arenas = {dt: torch.empty(n, dtype=dt, device=device) for dt, n in sizes.items()}
+        self.offsets: dict[str, int] = {}  # element offset of each expected name in its dtype's buffer
+        ends = dict.fromkeys(sizes, 0)
+        for name in expected:
+            p = params[name]
+            self.offsets[name] = ends[p.dtype]
+            ends[p.dtype] += p.numel()
+        self.slots: dict[str, torch.Tensor] = {}  # staging views, made when a name arrives
+        self.received: dict[str, tuple[str, int]] = {}  # our name -> (source name, source bytes)
+        self.skipped: list[str] = []
+        self.validated = False
+
+    def slot(self, name: str) -> torch.Tensor:
+        """The staging view of `name` (shape and dtype of its parameter)."""
+        p = self.params[name]
+        start = self.offsets[name]
+        view = self.slots[name] = self.arenas[p.dtype][start : start + p.numel()].view(p.shape)
+        return view
+
+    def ours(self, name: str) -> str | None:
+        """Our name for a source name (ours pass through without the prefix mapping)."""
+        return name if name in self.params else to_internal_name(name)
+
+    def on_stream(self) -> contextlib.AbstractContextManager:
+        """Context that makes the staging stream current (nothing on CPU)."""
+        return torch.cuda.stream(self.stream) if self.stream is not None else contextlib.nullcontext()
+
+
+def _copy_all(dsts: list[torch.Tensor], srcs: list[torch.Tensor], non_blocking: bool) -> None:
+    """dst.copy_(src) for every pair; same-device same-dtype pairs in one multi-tensor call."""
+    fast = [(d, s) for d, s in zip(dsts, srcs) if d.device == s.device and d.dtype == s.dtype]
+    slow = [(d, s) for d, s in zip(dsts, srcs) if d.device != s.device or d.dtype != s.dtype]
+    if fast and hasattr(torch, "_foreach_copy_"):
+        torch._foreach_copy_([d for d, _ in fast], [s for _, s in fast], non_blocking=non_blocking)
+    else:
+        slow = fast + slow
+    for d, s in slow:
+        d.copy_(s, non_blocking=non_blocking)
+
+
+def materialize(tensor: Any, name: str, where: str) -> torch.Tensor:
+    """A plain detached tensor; DTensors (FSDP2 trainers) are materialised with `.full_tensor()`.
+
+    `.full_tensor()` is a collective over the DTensor's mesh: every rank of that mesh must call it in order.
+    """
+    if hasattr(tensor, "full_tensor"):
+        tensor = tensor.full_tensor()
+    if not isinstance(tensor, torch.Tensor):
+        raise WeightSyncError(
+            f"{where}: the value for {name!r} is a {type(tensor).__name__}, expected a torch.Tensor (or a DTensor); "
+            "pass (name, tensor) pairs."
+        )
+    return tensor.detach()
+
+
+def iter_named_tensors(source: Any, where: str) -> Iterator[tuple[str, Any]]:
+    """(name, value) pairs of a mapping or an iterable of pairs; values are not materialised yet."""
+    if isinstance(source, (str, bytes, torch.Tensor)) or not isinstance(source, (Mapping, Iterable)):
+        raise WeightSyncError(
+            f"{where}: expected a mapping name -> tensor or an iterable of (name, tensor) pairs, "
+            f"got {type(source).__name__}."
+        )
+    items = source.items() if isinstance(source, Mapping) else source
+    for item in items:
+        if not (isinstance(item, (tuple, list)) and len(item) == 2 and isinstance(item[0], str)):
+            raise WeightSyncError(
+                f"{where}: expected (name, tensor) pairs, got an item of type {type(item).__name__}; pass a "
+                "mapping or e.g. model.named_parameters()."
+            )
+        yield item[0], item[1]
+
+
+def source_pairs(source: WeightSource, where: str, trainable_only: bool = False) -> Iterator[tuple[str, Any]]:
+    """(name, value) pairs of any weight source, with module-wrapper prefixes removed from module names.
+
+    For a mapping that holds both the token embedding and LeRobot's tied `lm_head` copy of it, the tied copy
+    is left out (they are one tensor). `trainable_only` keeps an `nn.Module`'s `requires_grad` parameters.
+    """
+    if isinstance(source, torch.nn.Module):
+        for name, param in source.named_parameters():
+            if trainable_only and not param.requires_grad:
+                continue
+            for segment in _WRAPPER_SEGMENTS:
+                name = name.replace(segment, "")
+            yield (name[len("module.") :] if name.startswith("module.") else name), param
+        return
+    tied_dup = False
+    if isinstance(source, Mapping):
+        embed = [k for k in source if to_internal_name(k) == "llm.embed_tokens.weight"]
+        tied_dup = len(embed) > 1
+    for name, value in iter_named_tensors(source, where):
+        if tied_dup and name.removeprefix("model.") == TIED_EMBEDDING:
+            continue
+        yield name, value
 
 
 class WeightSyncMixin:
-    """Transactional in-place weight updates for `Pi05Policy` (see DESIGN C6)."""
+    """Transactional in-place weight updates for `Pi05Policy` (DESIGN C6).
+
+    `expected` fixes what an update must deliver: "trainable" (default: the parameters with
+    `requires_grad`, RLinf's sync set), "all", or a list of names. Names may be ours or LeRobot / openpi
+    names (`checkpoint.to_internal_name`, the mapping checkpoint loading uses); DTensors are materialised
+    with `.full_tensor()`. Values are cast to each parameter's dtype. `update_weights` refuses unknown
+    names, names outside the expected set, a name sent twice and wrong shapes at once; `finish` refuses
+    missing names and non-finite values. Every refusal raises `WeightSyncError`, ends the update and
+    leaves the weights bit-identical. Source tensors must stay unchanged until `finish` returns.
+
+    Example:
+        >>> policy = Pi05Policy.from_config(Pi05Config.tiny(), action_dim=7)  # doctest: +SKIP
+        >>> trainer = copy.deepcopy(policy.model)  # doctest: +SKIP
+        >>> policy.begin_weight_update(expected="trainable")  # doctest: +SKIP
+        >>> for name, p in trainer.named_parameters():  # doctest: +SKIP
+        ...     if p.requires_grad:
+        ...         policy.update_weights([(name, p)])
+        >>> policy.finish_weight_update().version  # doctest: +SKIP
+        1
+        >>> policy.sync_weights(trainer).version  # the same in one call  # doctest: +SKIP
+        2
+    """
+
+    # Provided by Pi05Policy.
+    model: Pi05Model
+    scheduler: Pi05Scheduler
+    device: torch.device
+    weight_version: int
+    _lock: threading.RLock
+
+    # Weight-sync state (class defaults; instances assign their own under `_lock`).
+    _weight_update: _Transaction | None = None
+    _last_update_end: str | None = None
+    _weights_poisoned: str | None = None
+    _commit_event: torch.cuda.Event | None = None
+    _reader_events: dict[int, torch.cuda.Event] | None = None
+    _staging_stream: torch.cuda.Stream | None = None  # one per policy: the allocator reuses its staging memory
+
+    # ------------------------------------------------------------------------------------- public API
+    @property
+    def weight_update_in_progress(self) -> bool:
+        """True between `begin_weight_update` and the end of that update."""
+        return self._weight_update is not None
+
+    def begin_weight_update(self, expected: str | Sequence[str] = "trainable") -> None:
+        """Open an update that must deliver `expected`: "trainable", "all", or a list of names."""
+        with self._lock:
+            if getattr(self, "_closed", False):
+                raise WeightSyncStateError("begin_weight_update: the policy is closed; create a new policy.")
+            if self._weight_update is not None:
+                txn = self._weight_update
+                raise WeightSyncStateError(
+                    f"begin_weight_update: an update (expected={txn.mode!r}, {len(txn.received)} tensors staged, "
+                    f"begun {time.perf_counter() - txn.started:.1f} s ago) is already in progress; "
+                    "finish_weight_update() or abort_weight_update() it first."
+                )
+            params = dict(self.model.named_parameters())
+            names, mode = _resolve_expected(expected, params)
+            if self.device.type == "cuda" and self._staging_stream is None:
+                self._staging_stream = torch.cuda.Stream(self.device)
+            self._weight_update = _Transaction(params, names, mode, self._staging_stream)
+
+    def update_weights(self, named_tensors: Mapping[str, Any] | Iterable[tuple[str, Any]]) -> int:
+        """Validate and stage tensors (a mapping or (name, tensor) pairs); returns how many were staged.
+
+        May be called any number of times in any order. Known dead keys (the expert's unused LM head) are
+        skipped. The source is read outside the policy lock, so `act()` keeps serving the old weights.
+        """
+        with self._lock:
+            txn = self._require("update_weights")
+        staged, group, group_bytes = 0, [], 0
+        try:
+            for name, value in iter_named_tensors(named_tensors, "update_weights"):
+                tensor = materialize(value, name, "update_weights")
+                group.append((name, tensor))
+                group_bytes += tensor.numel() * tensor.element_size()
+                if len(group) >= _GROUP_TENSORS or group_bytes >= _GROUP_BYTES:
+                    staged += self._stage(txn, group)
+                    group, group_bytes = [], 0
+            staged += self._stage(txn, group)
+        except WeightSyncStateError:
+            raise
+        except WeightSyncError as err:
+            self._end(txn, f"failed: {err}")
+            raise
+        except Exception as err:
+            self._end(txn, f"the source raised {type(err).__name__}")
+            raise WeightSyncError(
+                f"update_weights: reading or staging the source raised {type(err).__name__}: {err}. The update was "
+                "aborted and the weights are unchanged; fix the source and begin a new update."
+            ) from err
+        except BaseException:
+            self._end(txn, "interrupted")
+            raise
+        return staged
+
+    def validate_weight_update(self) -> None:
+        """Run finish's checks (every expected name arrived, all values finite) without committing.
+
+        On failure the update ends and `WeightSyncError` is raised. `finish` does not repeat a passed check.
+        """
+        with self._lock:
+            txn = self._require("validate_weight_update")
+            try:
+                self._validate(txn, "validate_weight_update")
+            except BaseException as err:
+                self._end(txn, f"failed: {err}")
+                raise
+
+    def finish_weight_update(self, *, version: int | None = None) -> WeightUpdateReport:
+        """Validate, then commit in place; returns the report.
+
+        `version` (> the current one) sets the new version explicitly (the distributed protocol uses it so
+        that every rank agrees); the default is the current version + 1.
+        """
+        with self._lock:
+            txn = self._require("finish_weight_update")
+            try:
+                self._validate(txn, "finish_weight_update")
+                new_version = self.weight_version + 1 if version is None else int(version)
+                if new_version <= self.weight_version:
+                    raise WeightSyncError(
+                        f"finish_weight_update: version must increase: expected > {self.weight_version}, "
+                        f"received {new_version}; pass a larger version or None."
+                    )
+            except BaseException as err:
+                self._end(txn, f"failed: {err}")
+                raise
+            self._commit(txn)
+            self.weight_version = new_version
+            self._end(txn, f"committed version {new_version}")
+            names = list(txn.received)
+            return WeightUpdateReport(
+                version=new_version,
+                names=names,
+                num_tensors=len(names),
+                num_bytes=sum(txn.params[n].numel() * txn.params[n].element_size() for n in names),
+                source_bytes=sum(b for _, b in txn.received.values()),
+                skipped=list(txn.skipped),
+                duration_s=time.perf_counter() - txn.started,
+                expected=txn.mode,
+            )
+
+    def abort_weight_update(self) -> None:
+        """Drop the open update; the weights stay as they are (nothing was written yet)."""
+        with self._lock:
+            self._end(self._require("abort_weight_update"), "aborted by abort_weight_update()")
+
+    def sync_weights(self, source: WeightSource, expected: str | Sequence[str] = "trainable") -> WeightUpdateReport:
+        """One-call update from an `nn.Module` (its named_parameters), a state dict, or (name, tensor) pairs.
+
+        Takes from `source` what the update expects: source parameters outside the expected set (e.g. the
+        frozen VLM of a full trainer model) are skipped and reported; unknown names are refused.
+        """
+        self.begin_weight_update(expected)
+        with self._lock:
+            txn = self._weight_update
+        assert txn is not None
+        try:
+            self.update_weights(self._expected_only(txn, source_pairs(source, "sync_weights")))
+            return self.finish_weight_update()
+        except BaseException:
+            with self._lock:
+                if self._weight_update is txn:
+                    self._end(txn, "sync_weights failed")
+            raise
+
+    def check_weight_manifest(self, entries: Sequence[tuple[str, Sequence[int], torch.dtype]]) -> list[bool]:
+        """Check (name, shape, dtype) entries against the open update before any data arrives.
+
+        Returns per entry whether it will be staged (False: a dead key or a parameter outside the expected
+        set). Unknown names, duplicates, wrong shapes or dtypes, and expected names the manifest lacks raise
+        `WeightSyncError` and end the update. Used by the distributed protocol to refuse early.
+        """
+        with self._lock:
+            txn = self._require("check_weight_manifest")
+            try:
+                keep, seen = [], {}
+                for name, shape, dtype in entries:
+                    ours = txn.ours(name)
+                    if ours is not None and ours in txn.params and ours not in txn.expected_set:
+                        keep.append(False)
+                        continue
+                    if ours is not None and ours in seen:
+                        raise WeightSyncError(
+                            f"check_weight_manifest: {ours!r} is listed twice (as {seen[ours]!r} and {name!r}); "
+                            "send every parameter once per update."
+                        )
+                    checked = self._check_entry(txn, name, shape, dtype, "check_weight_manifest")
+                    keep.append(checked is not None)
+                    if checked is not None:
+                        seen[checked] = name
+                missing = [n for n in txn.expected if n not in seen and n not in txn.received]
+                _raise_missing(txn, missing, "check_weight_manifest")
+                return keep
+            except BaseException as err:
+                self._end(txn, f"failed: {err}")
+                raise
+
+    # ----------------------------------------------------------------------------- hooks for the policy
+    @contextlib.contextmanager
+    def _weights_in_use(self) -> Iterator[None]:
+        """Wrap every read of the weights (act, value, evaluate); holds `_lock` while reading.
+
+        Orders the read after the last commit and lets the next commit wait for it, without host sync.
+        """
+        with self._lock:
+            if self._weights_poisoned is not None:
+                raise WeightSyncStateError(
+                    f"the policy's weights are inconsistent ({self._weights_poisoned}); it refuses to serve until "
+                    "a complete update (begin_weight_update(expected='all')) commits."
+                )
+            stream = torch.cuda.current_stream(self.device) if self.device.type == "cuda" else None
+            if stream is not None and self._commit_event is not None:
+                stream.wait_event(self._commit_event)
+            try:
+                yield
+            finally:
+                if stream is not None:
+                    if self._reader_events is None:
+                        self._reader_events = {}
+                    event = self._reader_events.setdefault(stream.cuda_stream, torch.cuda.Event())
+                    event.record(stream)
+
+    def _abort_weight_update_for_close(self) -> None:
+        """Called by `close()` under `_lock`: abort an update in flight (its later calls raise)."""
+        with self._lock:
+            if self._weight_update is not None:
+                self._end(self._weight_update, "aborted by close()")
+
+    # -------------------------------------------------------------------------------------- internals
+    def _require(self, where: str) -> _Transaction:
+        txn = self._weight_update
+        if txn is not None:
+            return txn
+        if getattr(self, "_closed", False):
+            raise WeightSyncStateError(f"{where}: the policy is closed; no weight update can run.")
+        last = f" (the last one {self._last_update_end})" if self._last_update_end else ""
+        raise WeightSyncStateError(f"{where}: no weight update in progress{last}; call begin_weight_update() first.")
+
+    def _end(self, txn: _Transaction, reason: str) -> None:
+        if self._weight_update is txn:
+            self._weight_update = None
+            self._last_update_end = reason if len(reason) < 300 else reason[:297] + "..."
+        txn.slots.clear()
+        txn.arenas.clear()  # staging memory goes back to the allocator (ordered on the staging stream)
+
+    def _expected_only(self, txn: _Transaction, pairs: Iterator[tuple[str, Any]]) -> Iterator[tuple[str, Any]]:
+        """Skip (and report) source parameters outside the expected set; everything else goes to validation."""
+        for name, value in pairs:
+            ours = txn.ours(name)
+            if ours is not None and ours in txn.params and ours not in txn.expected_set:
+                txn.skipped.append(name)
+                continue
+            yield name, value
+
+    def _check_entry(
+        self, txn: _Transaction, name: str, shape: Sequence[int], dtype: torch.dtype, where: str
+    ) -> str | None:
+        """Our name for a source entry, None for a dead key; raises WeightSyncError for anything invalid."""
+        ours = txn.ours(name)
+        if ours is None:
+            return None
+        param = txn.params.get(ours)
+        if param is None:
+            sample = next(iter(txn.expected))
+            raise WeightSyncError(
+                f"{where}: {name!r} names no parameter of this model (mapped to {ours!r}); expected our names "
+                f"(e.g. {sample!r}) or LeRobot / openpi names. Remove peft/LoRA or wrapper prefixes on the sender."
+            )
+        if ours not in txn.expected_set:
+            raise WeightSyncError(
+                f"{where}: {name!r} is a parameter but not part of this update (expected={txn.mode!r}); "
+                "begin_weight_update(expected='all') or a list that includes it, or do not send it."
+            )
+        if ours in txn.received:
+            raise WeightSyncError(
+                f"{where}: {ours!r} was already sent in this update (as {txn.received[ours][0]!r}, now as "
+                f"{name!r}); send every parameter once per update."
+            )
+        if tuple(shape) != tuple(param.shape):
+            raise WeightSyncError(
+                f"{where}: {name!r}: expected shape {list(param.shape)}, received {list(shape)}; the sender's "
+                "model geometry differs from this policy's config."
+            )
+        if param.is_floating_point() and not dtype.is_floating_point:
+            raise WeightSyncError(
+                f"{where}: {name!r}: expected a floating-point tensor (cast to {param.dtype}), received {dtype}."
+            )
+        return ours
+
+    def _stage(self, txn: _Transaction, group: list[tuple[str, torch.Tensor]]) -> int:
+        """Validate a group under the lock, then queue its copies into the staging buffers."""
+        if not group:
+            return 0
+        with self._lock:
+            if self._weight_update is not txn:
+                raise WeightSyncStateError(
+                    f"update_weights: the update ended while this call was staging ({self._last_update_end}); "
+                    "begin a new update."
+                )
+            dsts, srcs = [], []
+            for name, tensor in group:
+                ours = self._check_entry(txn, name, tensor.shape, tensor.dtype, "update_weights")
+                if ours is None:
+                    txn.skipped.append(name)
+                    continue
+                txn.received[ours] = (name, tensor.numel() * tensor.element_size())
+                dsts.append(txn.slot(ours))
+                srcs.append(tensor)
+            if txn.stream is not None:  # sources produced on their devices' current streams come first
+                for dev in {s.device for s in srcs if s.is_cuda}:
+                    txn.stream.wait_stream(torch.cuda.current_stream(dev))
+            with txn.on_stream(), torch.no_grad():
+                _copy_all(dsts, srcs, non_blocking=txn.stream is not None)
+            if txn.stream is not None:
+                for s in srcs:
+                    if s.is_cuda:  # the caller may drop it; keep its memory until the staging copy ran
+                        s.record_stream(txn.stream)
+            return len(dsts)
+
+    def _validate(self, txn: _Transaction, where: str) -> None:
+        if txn.validated:
+            return
+        _raise_missing(txn, [n for n in txn.expected if n not in txn.received], where)
+        bad = _nonfinite(txn)
+        if bad:
+            raise WeightSyncError(
+                f"{where}: non-finite values (NaN/Inf, after casting to the parameter dtype) in {bad[:10]}; "
+                "expected finite weights. The trainer diverged or a cast overflowed; the weights are unchanged."
+            )
+        txn.validated = True
+
+    def _commit(self, txn: _Transaction) -> None:
+        """Queue the in-place copies and the table refresh on the compute stream; poison on a failure midway."""
+        names = list(txn.received)
+        compute = torch.cuda.current_stream(self.device) if txn.stream is not None else None
+        try:
+            if compute is not None and txn.stream is not None:
+                compute.wait_stream(txn.stream)
+                for event in (self._reader_events or {}).values():
+                    compute.wait_event(event)  # readers on other streams finish with the old weights first
+            with torch.no_grad():
+                _copy_all([txn.params[n].detach() for n in names], [txn.slots[n] for n in names], non_blocking=False)
+                self.scheduler.refresh_tables()
+            if compute is not None:
+                event = torch.cuda.Event()
+                event.record(compute)
+                self._commit_event = event
+                for arena in txn.arenas.values():
+                    arena.record_stream(compute)  # freed only after the commit copies ran
+        except BaseException as err:
+            self._weights_poisoned = f"a commit failed after writing began ({type(err).__name__}: {err})"
+            self._end(txn, "commit failed")
+            raise WeightSyncError(
+                f"finish_weight_update: the commit failed midway ({type(err).__name__}: {err}); the weights are "
+                "inconsistent and the policy refuses to serve until a complete update commits."
+            ) from err
+        if self._weights_poisoned is not None and set(names) == set(txn.params):
+            self._weights_poisoned = None
+
+
+def _resolve_expected(expected: str | Sequence[str], params: dict[str, torch.nn.Parameter]) -> tuple[list[str], str]:
+    """Our names of the expected set, in model order, and the mode label."""
+    if isinstance(expected, str):
+        if expected == "all":
+            return list(params), "all"
+        if expected == "trainable":
+            names = [n for n, p in params.items() if p.requires_grad]
+            if not names:
+                raise WeightSyncError(
+                    "begin_weight_update: expected='trainable' but no parameter requires grad; call "
+                    "policy.set_trainable('expert' or 'all') or pass expected='all'."
+                )
+            return names, "trainable"
+        raise WeightSyncError(
+            f"begin_weight_update: expected must be 'all', 'trainable' or a list of names, got {expected!r}."
+        )
+    chosen: dict[str, str] = {}
+    for name in expected:
+        ours = to_internal_name(name) if isinstance(name, str) else None
+        if ours is None or ours not in params:
+            raise WeightSyncError(
+                f"begin_weight_update: expected names a non-parameter {name!r}; list parameter names "
+                "(ours or LeRobot / openpi)."
+            )
+        if ours in chosen:
+            raise WeightSyncError(
+                f"begin_weight_update: expected lists {ours!r} twice (as {chosen[ours]!r} and {name!r}); list it once."
+            )
+        chosen[ours] = name
+    if not chosen:
+        raise WeightSyncError("begin_weight_update: expected is an empty list; name at least one parameter.")
+    return [n for n in params if n in chosen], "list"
+
+
+def _raise_missing(txn: _Transaction, missing: list[str], where: str) -> None:
+    if missing:
+        more = f" and {len(missing) - 10} more" if len(missing) > 10 else ""
+        raise WeightSyncError(
+            f"{where}: {len(missing)} of the {len(txn.expected)} expected parameters (expected={txn.mode!r}) were "
+            f"not sent: {missing[:10]}{more}. Send them, or begin with expected=[...] listing what you send."
+        )
+
+
+def _nonfinite(txn: _Transaction) -> list[str]:
+    """Names whose staged values are not all finite.
+
+    One min/max reduction per dtype buffer on the staging stream and one wait for that stream; the per-tensor
+    scan runs only when something is wrong.
+    """
+    with txn.on_stream(), torch.no_grad():
+        flags = []
+        for arena in txn.arenas.values():
+            if arena.numel() and arena.is_floating_point():
+                lo, hi = torch.aminmax(arena)
+                flags.append(torch.isfinite(lo) & torch.isfinite(hi))
+        if not flags or bool(torch.stack(flags).all()):
+            return []
+        return [n for n, v in txn.slots.items() if v.is_floating_point() and not bool(torch.isfinite(v).all())]

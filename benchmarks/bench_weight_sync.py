@@ -1,0 +1,203 @@
+"""Weight-sync latency (DESIGN C6 targets): in-process sync of expert + heads and of all parameters, from GPU
+tensors and from pinned host memory, beside the raw host-to-device (and device-to-device) copy of the same
+bytes measured in the same run.
+
+One row per (subset, source): host wall time from `begin_weight_update` to the commit having run on the GPU
+(`torch.cuda.synchronize()` after `finish_weight_update`), warm-up excluded, p50/p90 over --iters runs.
+
+    python benchmarks/bench_weight_sync.py --config base --out benchmarks/results/weight_sync.jsonl
+
+`run(out_path, config_name)` is the entry point `benchmarks/gpu_suite.py` calls.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from policies.pi05.config import Pi05Config
+from policies.pi05.model import Pi05Model
+from policies.pi05.policy import Pi05Policy, RolloutConfig
+from policies.pi05.scheduler import SchedulerConfig
+
+TARGET_MS = {"expert": 10.0, "all": 30.0}  # DESIGN: in-process sync on an H200
+PINNED_RATIO_TARGET = 1.3
+
+
+class _Processor:
+    """The processor attributes Pi05Policy reads (the benchmark never calls act)."""
+
+    def __init__(self, slots: tuple[int, ...]) -> None:
+        self.slots, self.action_dim, self.prompt_buckets = slots, 7, (16,)
+
+    def postprocess(self, model_actions: torch.Tensor, chunk: int) -> torch.Tensor:
+        return model_actions[:, :chunk, :7]
+
+
+def _git_commit() -> str:
+    if os.environ.get("GIT_COMMIT"):
+        return os.environ["GIT_COMMIT"]
+    try:
+        root = Path(__file__).resolve().parents[1]
+        return subprocess.run(
+            ["git", "rev-parse", "HEAD"], cwd=root, capture_output=True, text=True, check=True
+        ).stdout.strip()
+    except (OSError, subprocess.CalledProcessError):
+        return "unknown"
+
+
+def _sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def _time_ms(fn, device: torch.device, iters: int, warmup: int = 2) -> list[float]:
+    for _ in range(warmup):
+        fn()
+    _sync(device)
+    times = []
+    for _ in range(iters):
+        start = time.perf_counter()
+        fn()
+        _sync(device)
+        times.append((time.perf_counter() - start) * 1e3)
+    return times
+
+
+def _flat_copy(tensors: dict[str, torch.Tensor], device: str | torch.device, pin: bool) -> dict[str, torch.Tensor]:
+    """Copies of `tensors` as views of one flat buffer per dtype (one pinned allocation instead of hundreds)."""
+    out: dict[str, torch.Tensor] = {}
+    for dtype in {t.dtype for t in tensors.values()}:
+        group = {n: t for n, t in tensors.items() if t.dtype == dtype}
+        flat = torch.empty(sum(t.numel() for t in group.values()), dtype=dtype, device=device, pin_memory=pin)
+        offset = 0
+        for n, t in group.items():
+            view = flat[offset : offset + t.numel()].view(t.shape)
+            view.copy_(t)
+            out[n] = view
+            offset += t.numel()
+    return {n: out[n] for n in tensors}
+
+
+def build_policy(config_name: str, device: torch.device) -> Pi05Policy:
+    config = Pi05Config.pi05_base() if config_name == "base" else Pi05Config.tiny()
+    with torch.device(device):
+        model = Pi05Model(config)  # default initialisation: the values do not matter, finiteness does
+    model.set_precision(torch.bfloat16 if device.type == "cuda" else torch.float32)
+    slots = tuple(range(len(config.camera_slots)))
+    sched = SchedulerConfig(max_batch_size=1, num_steps=(config.num_steps,), camera_sets=(slots,), prompt_buckets=(16,))
+    rollout = RolloutConfig(num_steps=config.num_steps, action_chunk=min(5, config.action_horizon))
+    return Pi05Policy(model, _Processor(slots), rollout, sched)
+
+
+def run(out_path: str | Path, config_name: str = "base", iters: int = 10) -> list[dict[str, Any]]:
+    """Measure and append JSONL rows to `out_path`; returns the rows."""
+    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    started = time.perf_counter()
+    policy = build_policy(config_name, device)
+    setup_s = time.perf_counter() - started
+    meta = {
+        "bench": "weight_sync",
+        "config": config_name,
+        "device": device.type,
+        "gpu": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
+        "torch": torch.__version__,
+        "commit": _git_commit(),
+        "dtype": str(policy.model.compute_dtype).removeprefix("torch."),
+        "setup_s": round(setup_s, 2),
+    }
+    rows: list[dict[str, Any]] = []
+    subsets = {
+        "expert": dict(policy.trainable_parameters()),
+        "all": dict(policy.model.named_parameters()),
+    }
+    for subset, params in subsets.items():
+        expected = "trainable" if subset == "expert" else "all"
+        nbytes = sum(p.numel() * p.element_size() for p in params.values())
+        base = {
+            **meta,
+            "subset": subset,
+            "num_params": sum(p.numel() for p in params.values()),
+            "num_tensors": len(params),
+            "bytes": nbytes,
+        }
+        detached = {n: p.detach() for n, p in params.items()}
+        gpu_source = _flat_copy(detached, device, pin=False)
+        sources = {"device": gpu_source}
+        if device.type == "cuda":
+            sources["pinned_host"] = _flat_copy(detached, "cpu", pin=True)
+        del detached
+        results: dict[str, float] = {}
+        for source_name, source in sources.items():
+            times = _time_ms(lambda s=source, e=expected: policy.sync_weights(s, expected=e), device, iters)
+            results[source_name] = statistics.median(times)
+            rows.append(
+                {
+                    **base,
+                    "case": f"sync_from_{source_name}",
+                    "p50_ms": round(statistics.median(times), 3),
+                    "p90_ms": round(sorted(times)[int(0.9 * (len(times) - 1))], 3),
+                    "target_ms": TARGET_MS[subset] if source_name == "device" else None,
+                }
+            )
+        # raw copies of the same bytes, one contiguous buffer each: the floor a sync is judged against
+        flat_dev = torch.empty(nbytes, dtype=torch.uint8, device=device)
+        flat_dst = torch.empty_like(flat_dev)
+        raw = {"raw_device_copy": (flat_dst, flat_dev)}
+        if device.type == "cuda":
+            raw["raw_host_to_device_copy"] = (flat_dst, torch.empty(nbytes, dtype=torch.uint8, pin_memory=True))
+        for case, (dst, src) in raw.items():
+            times = _time_ms(lambda d=dst, s=src: d.copy_(s, non_blocking=True), device, iters)
+            results[case] = statistics.median(times)
+            rows.append(
+                {
+                    **base,
+                    "case": case,
+                    "p50_ms": round(statistics.median(times), 3),
+                    "p90_ms": round(sorted(times)[int(0.9 * (len(times) - 1))], 3),
+                    "GB_per_s": round(nbytes / (statistics.median(times) * 1e-3) / 1e9, 1),
+                }
+            )
+        if "pinned_host" in results:
+            ratio = results["pinned_host"] / results["raw_host_to_device_copy"]
+            rows.append(
+                {
+                    **base,
+                    "case": "pinned_sync_over_raw_h2d",
+                    "ratio": round(ratio, 3),
+                    "target_ratio": PINNED_RATIO_TARGET,
+                    "meets_target": ratio <= PINNED_RATIO_TARGET,
+                }
+            )
+        del sources, gpu_source, raw, flat_dev, flat_dst
+        if device.type == "cuda":
+            torch.cuda.empty_cache()
+    policy.close()
+    out = Path(out_path)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    with out.open("a") as handle:
+        for row in rows:
+            handle.write(json.dumps(row) + "\n")
+    return rows
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--config", choices=("tiny", "base"), default="base")
+    parser.add_argument("--out", default="benchmarks/results/weight_sync.jsonl")
+    parser.add_argument("--iters", type=int, default=10)
+    args = parser.parse_args()
+    for row in run(args.out, args.config, args.iters):
+        print(json.dumps(row))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,383 @@
+"""Weight sync across processes (DESIGN C6): a two-phase broadcast over `torch.distributed`, tensors only.
+
+Every rank of `group` calls `broadcast_weights` with the same `src`, `expected` and `bucket_bytes`; rank `src`
+also passes the source. Nothing is pickled: no object collectives, only tensor broadcasts and reductions,
+so it runs on gloo (CPU) and NCCL (GPU) alike.
+
+1. Header: `src` broadcasts int64[10] = magic, protocol, status, tensors, name bytes, payload bytes,
+   bucket bytes, buckets, version (-1: none given), shape dims.
+2. Manifest: int64 [name lengths | dtype codes | ndims | payload offsets | byte sizes | shape dims] and the
+   UTF-8 names as one uint8 tensor. Each rank with a policy opens an update and checks the manifest against
+   its model (names, shapes, duplicates, the expected set complete, the version increasing).
+   Vote 1: all_reduce(MIN) of (ok, -version, failed rank); a refusal aborts everywhere before any data moves.
+3. Buckets: the payload (each tensor's bytes at a 16-byte aligned offset) in windows of `bucket_bytes`,
+   broadcast as uint8 and staged into the open update; a tensor spanning windows is assembled first.
+4. Each rank validates (finite values, completeness). Vote 2 decides: every rank commits with the same
+   version (the given one, else the largest current version + 1), or every rank aborts and keeps its own.
+
+A rank that fails keeps taking part in every collective until the vote, so nobody hangs. A failure after
+vote 2 (the commit itself failing on a device) cannot be undone on the other ranks; that rank's policy then
+refuses to serve until a complete update (see `weight_sync`).
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+import torch
+import torch.distributed as dist
+
+from .checkpoint import to_internal_name
+from .weight_sync import WeightSource, WeightSyncError, WeightUpdateReport, materialize, source_pairs
+
+if TYPE_CHECKING:
+    from .policy import Pi05Policy
+
+DEFAULT_BUCKET_BYTES = 64 << 20
+"""Payload bytes per broadcast."""
+_MAGIC = 0x5049_3035  # "PI05"
+_PROTOCOL = 1
+_ALIGN = 16
+_HEADER = 10
+_DTYPES = (
+    torch.float32,
+    torch.bfloat16,
+    torch.float16,
+    torch.float64,
+    torch.int64,
+    torch.int32,
+    torch.int16,
+    torch.int8,
+    torch.uint8,
+    torch.bool,
+)
+"""Wire dtype codes: the index in this tuple."""
+
+
+@dataclass
+class _Entry:
+    """One tensor of the manifest."""
+
+    name: str
+    shape: tuple[int, ...]
+    dtype: torch.dtype
+    offset: int  # payload byte offset (16-byte aligned)
+    nbytes: int
+    value: Any = None  # source rank only: the tensor (or DTensor), materialised when its bytes are packed
+
+    @property
+    def end(self) -> int:
+        return self.offset + self.nbytes
+
+
+def broadcast_weights(
+    policy: Pi05Policy | None,
+    source: WeightSource | None = None,
+    *,
+    src: int = 0,
+    group: dist.ProcessGroup | None = None,
+    expected: str | Sequence[str] = "trainable",
+    bucket_bytes: int = DEFAULT_BUCKET_BYTES,
+    version: int | None = None,
+    device: str | torch.device | None = None,
+) -> WeightUpdateReport:
+    """Broadcast weights from rank `src` into every rank's policy as one all-or-nothing update.
+
+    Args:
+        policy: this rank's policy, or None on a rank without one (e.g. a trainer-only source rank).
+        source: on rank `src`: an `nn.Module` (its parameters; only `requires_grad` ones when
+            `expected="trainable"`), a state dict, or (name, tensor) pairs; ignored on other ranks. DTensors are
+            materialised with `.full_tensor()` while packing, a collective over their mesh.
+        src: global rank of the source.
+        group: process group (default: the world).
+        expected: what every policy must receive ("trainable", "all" or a list of names), as in
+            `begin_weight_update`; sent parameters outside a rank's expected set are skipped there.
+        bucket_bytes: payload bytes per broadcast (rounded up to 16); bounds the extra memory per rank.
+        version: the version every rank commits (> every current one); default the largest current + 1.
+        device: device of the communication buffers; default the policy's CUDA device (or the current one)
+            under NCCL, else CPU.
+
+    Returns:
+        This rank's report (a rank without a policy gets the manifest's names and sizes).
+
+    Raises:
+        WeightSyncError: on every rank when any rank refused; every rank then keeps its weights and version.
+
+    Example:
+        >>> # on every rank, after dist.init_process_group(...) and building the policy (rank 0: trainer)
+        >>> report = broadcast_weights(policy, trainer.model if rank == 0 else None)  # doctest: +SKIP
+        >>> report.version == policy.weight_version  # doctest: +SKIP
+        True
+    """
+    started = time.perf_counter()
+    rank, world = dist.get_rank(), dist.get_world_size()
+    dev = _comm_device(policy, group, device)
+    bucket = max(_ALIGN, -(-int(bucket_bytes) // _ALIGN) * _ALIGN)
+
+    # ---- 1. header and manifest (rank src builds them from the source's metadata; nothing materialised yet)
+    entries: list[_Entry] = []
+    source_error: BaseException | None = None
+    if rank == src:
+        try:
+            entries = _build_entries(source, expected)
+        except Exception as err:  # tell the others before raising
+            source_error = err
+    header = torch.zeros(_HEADER, dtype=torch.int64, device=dev)
+    names_u8 = torch.zeros(0, dtype=torch.uint8, device=dev)
+    if rank == src:
+        encoded = [e.name.encode() for e in entries]
+        total = entries[-1].end if entries else 0
+        dims = sum(len(e.shape) for e in entries)
+        header.copy_(
+            torch.tensor(
+                [
+                    _MAGIC,
+                    _PROTOCOL,
+                    0 if source_error is None else 1,
+                    len(entries),
+                    sum(map(len, encoded)),
+                    total,
+                    bucket,
+                    -(-total // bucket),
+                    -1 if version is None else int(version),
+                    dims,
+                ]
+            )
+        )
+        names_u8 = torch.tensor(list(b"".join(encoded)), dtype=torch.uint8).to(dev)
+    dist.broadcast(header, src, group=group)
+    magic, protocol, status, n, name_bytes, total, bucket, num_buckets, sent_version, dims = header.tolist()
+    if magic != _MAGIC or protocol != _PROTOCOL:
+        raise WeightSyncError(
+            f"broadcast_weights: rank {src} speaks protocol {protocol} (magic {magic:#x}), expected {_PROTOCOL}; "
+            "run the same phyai-gym version on every rank."
+        )
+    if status != 0:
+        if source_error is not None:
+            raise WeightSyncError(
+                f"broadcast_weights: the source on rank {src} could not be read "
+                f"({type(source_error).__name__}: {source_error}); every rank keeps its weights."
+            ) from source_error
+        raise WeightSyncError(
+            f"broadcast_weights: the source on rank {src} could not be read (see rank {src}'s error); "
+            "every rank keeps its weights."
+        )
+    meta = torch.zeros(5 * n + dims, dtype=torch.int64, device=dev)
+    if rank == src:
+        meta.copy_(_encode_meta(entries))
+    else:
+        names_u8 = torch.zeros(name_bytes, dtype=torch.uint8, device=dev)
+    dist.broadcast(meta, src, group=group)
+    dist.broadcast(names_u8, src, group=group)
+    if rank != src:
+        entries = _decode_meta(meta.tolist(), names_u8.cpu().numpy().tobytes(), n)
+
+    # ---- vote 1: does every policy accept the manifest?
+    error: BaseException | None = None
+    keep = [False] * n
+    if policy is not None:
+        try:
+            if sent_version >= 0 and sent_version <= policy.weight_version:
+                raise WeightSyncError(
+                    f"broadcast_weights: version must increase: rank {rank} is at {policy.weight_version}, "
+                    f"received {sent_version}; pass a larger version or None."
+                )
+            policy.begin_weight_update(expected)
+            keep = policy.check_weight_manifest([(e.name, e.shape, e.dtype) for e in entries])
+        except Exception as err:
+            error = err
+    current = policy.weight_version if policy is not None else -1
+    ok, max_version, failed = _vote(error is None, current, rank, world, group, dev)
+    if not ok:
+        _abort(policy)
+        raise _failure("refused the manifest (no data was sent)", failed, rank, error)
+
+    # ---- 2. buckets
+    ok_local = error is None
+    try:
+        for e, k in zip(entries, keep):  # zero-size tensors carry no bytes
+            if k and e.nbytes == 0 and policy is not None:
+                policy.update_weights([(e.name, torch.empty(e.shape, dtype=e.dtype))])
+    except Exception as err:
+        error, ok_local = err, False
+    packer = _Packer(entries) if rank == src else None
+    assembly: dict[int, torch.Tensor] = {}
+    first = 0  # first entry not yet fully received
+    for b in range(num_buckets):
+        lo, hi = b * bucket, min((b + 1) * bucket, total)
+        buf = torch.empty(hi - lo, dtype=torch.uint8, device=dev)
+        if packer is not None and ok_local:
+            try:
+                packer.fill(buf, lo, hi)
+            except Exception as err:  # keep broadcasting (garbage) so nobody hangs; vote 2 aborts
+                error, ok_local = err, False
+        dist.broadcast(buf, src, group=group)
+        ready: list[tuple[str, torch.Tensor]] = []
+        for i in range(first, n) if policy is not None and ok_local else ():
+            e = entries[i]
+            if e.offset >= hi:
+                break
+            if not keep[i] or e.nbytes == 0 or e.end <= lo:
+                continue
+            if lo <= e.offset and e.end <= hi:  # whole tensor in this window: a view, no copy
+                ready.append((e.name, _typed(buf[e.offset - lo : e.end - lo], e)))
+                continue
+            part_lo, part_hi = max(lo, e.offset), min(hi, e.end)
+            if i not in assembly:
+                assembly[i] = torch.empty(e.nbytes, dtype=torch.uint8, device=dev)
+            assembly[i][part_lo - e.offset : part_hi - e.offset].copy_(buf[part_lo - lo : part_hi - lo])
+            if e.end <= hi:
+                ready.append((e.name, _typed(assembly.pop(i), e)))
+        while first < n and entries[first].end <= hi:
+            first += 1
+        if policy is not None and ok_local and ready:
+            try:
+                policy.update_weights(ready)
+            except Exception as err:
+                error, ok_local = err, False
+        del buf, ready
+
+    # ---- vote 2: commit everywhere or abort everywhere
+    if policy is not None and ok_local:
+        try:
+            policy.validate_weight_update()
+        except Exception as err:
+            error, ok_local = err, False
+    ok, _, failed = _vote(ok_local, current, rank, world, group, dev)
+    if not ok:
+        _abort(policy)
+        raise _failure("failed while sending, receiving or validating", failed, rank, error)
+    final = sent_version if sent_version >= 0 else max_version + 1
+    if policy is not None:
+        return policy.finish_weight_update(version=final)
+    names = [e.name for e in entries]
+    return WeightUpdateReport(
+        version=final,
+        names=names,
+        num_tensors=len(names),
+        num_bytes=sum(e.nbytes for e in entries),
+        source_bytes=sum(e.nbytes for e in entries),
+        duration_s=time.perf_counter() - started,
+        expected=expected if isinstance(expected, str) else "list",
+    )
+
+
+# ------------------------------------------------------------------------------------------------ helpers
+def _comm_device(policy: Pi05Policy | None, group: dist.ProcessGroup | None, device: Any) -> torch.device:
+    if device is not None:
+        return torch.device(device)
+    if "nccl" in str(dist.get_backend(group)).lower():
+        if policy is not None and policy.device.type == "cuda":
+            return policy.device
+        return torch.device("cuda", torch.cuda.current_device())
+    return torch.device("cpu")
+
+
+def _build_entries(source: WeightSource | None, expected: str | Sequence[str]) -> list[_Entry]:
+    """Manifest entries (our names) from the source's metadata; payload offsets 16-byte aligned."""
+    if source is None:
+        raise WeightSyncError("broadcast_weights: rank src needs a source (a module, state dict or pairs), got None.")
+    wanted = None
+    if not isinstance(expected, str):
+        wanted = {to_internal_name(n) for n in expected}
+    entries: list[_Entry] = []
+    offset = 0
+    trainable_only = isinstance(expected, str) and expected == "trainable"
+    for name, value in source_pairs(source, "broadcast_weights", trainable_only=trainable_only):
+        ours = to_internal_name(name)
+        if ours is None or (wanted is not None and ours not in wanted):
+            continue
+        if not hasattr(value, "shape") or value.dtype not in _DTYPES:
+            raise WeightSyncError(
+                f"broadcast_weights: {name!r} is a {type(value).__name__} of dtype {getattr(value, 'dtype', None)}; "
+                f"expected a tensor of one of {[str(d) for d in _DTYPES]}."
+            )
+        shape = tuple(int(s) for s in value.shape)
+        nbytes = torch.Size(shape).numel() * torch.empty((), dtype=value.dtype).element_size()
+        entries.append(_Entry(ours, shape, value.dtype, offset, nbytes, value))
+        offset = -(-(offset + nbytes) // _ALIGN) * _ALIGN
+    return entries
+
+
+def _encode_meta(entries: list[_Entry]) -> torch.Tensor:
+    cols = [
+        [len(e.name.encode()) for e in entries],
+        [_DTYPES.index(e.dtype) for e in entries],
+        [len(e.shape) for e in entries],
+        [e.offset for e in entries],
+        [e.nbytes for e in entries],
+        [d for e in entries for d in e.shape],
+    ]
+    return torch.tensor([v for col in cols for v in col], dtype=torch.int64)
+
+
+def _decode_meta(meta: list[int], names: bytes, n: int) -> list[_Entry]:
+    lengths, codes, ndims, offsets, sizes = (meta[i * n : (i + 1) * n] for i in range(5))
+    dims, pos, entries = meta[5 * n :], 0, []
+    name_pos = 0
+    for i in range(n):
+        name = names[name_pos : name_pos + lengths[i]].decode()
+        name_pos += lengths[i]
+        shape = tuple(dims[pos : pos + ndims[i]])
+        pos += ndims[i]
+        entries.append(_Entry(name, shape, _DTYPES[codes[i]], offsets[i], sizes[i]))
+    return entries
+
+
+def _typed(raw: torch.Tensor, e: _Entry) -> torch.Tensor:
+    """A uint8 view of a tensor's bytes -> the tensor (no copy)."""
+    return raw.view(e.dtype).view(e.shape)
+
+
+class _Packer:
+    """Fills bucket windows from the source tensors; a tensor spanning windows is materialised once."""
+
+    def __init__(self, entries: list[_Entry]) -> None:
+        self.entries = entries
+        self.cached: tuple[int, torch.Tensor] | None = None
+
+    def _bytes(self, i: int) -> torch.Tensor:
+        if self.cached is None or self.cached[0] != i:
+            e = self.entries[i]
+            t = materialize(e.value, e.name, "broadcast_weights")
+            if tuple(t.shape) != e.shape or t.dtype != e.dtype:
+                raise WeightSyncError(
+                    f"broadcast_weights: {e.name!r} materialised as {list(t.shape)} {t.dtype}, but its metadata "
+                    f"said {list(e.shape)} {e.dtype}; do not change source tensors during a sync."
+                )
+            self.cached = (i, t.contiguous().reshape(-1).view(torch.uint8))
+        return self.cached[1]
+
+    def fill(self, buf: torch.Tensor, lo: int, hi: int) -> None:
+        buf.zero_()  # alignment gaps
+        for i, e in enumerate(self.entries):
+            if e.nbytes == 0 or e.end <= lo or e.offset >= hi:
+                continue
+            part_lo, part_hi = max(lo, e.offset), min(hi, e.end)
+            buf[part_lo - lo : part_hi - lo].copy_(self._bytes(i)[part_lo - e.offset : part_hi - e.offset])
+
+
+def _vote(ok: bool, version: int, rank: int, world: int, group: Any, dev: torch.device) -> tuple[bool, int, int]:
+    """all_reduce(MIN) of (ok, -version, failed rank): (all ok, largest version, lowest failed rank)."""
+    t = torch.tensor([int(ok), -version, world if ok else rank], dtype=torch.int64, device=dev)
+    dist.all_reduce(t, op=dist.ReduceOp.MIN, group=group)
+    all_ok, neg_version, failed = t.tolist()
+    return bool(all_ok), -neg_version, failed
+
+
+def _abort(policy: Pi05Policy | None) -> None:
+    if policy is not None and policy.weight_update_in_progress:
+        policy.abort_weight_update()
+
+
+def _failure(what: str, failed: int, rank: int, error: BaseException | None) -> WeightSyncError:
+    mine = f" This rank's error: {type(error).__name__}: {error}" if error is not None else ""
+    err = WeightSyncError(
+        f"broadcast_weights: aborted on every rank; rank {failed} {what}. Every rank keeps its weights and "
+        f"version.{mine}"
+    )
+    err.__cause__ = error
+    return err

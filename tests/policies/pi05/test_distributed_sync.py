@@ -1,0 +1,248 @@
+"""Weight sync across processes (DESIGN C6) over gloo: all ranks commit one version, or all abort and keep theirs.
+
+Each test spawns a small process group (file:// rendezvous in tmp_path). Workers write one JSON result per
+rank; the parent asserts on them, so a failing worker shows its traceback in the JSON rather than a hang.
+"""
+
+from __future__ import annotations
+
+import json
+import traceback
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+from policies.pi05.config import Pi05Config
+from policies.pi05.distributed_sync import broadcast_weights
+from policies.pi05.model import Pi05Model, randomize_parameters_
+from policies.pi05.policy import Pi05Policy, RolloutConfig
+from policies.pi05.rollout import RolloutTables
+from policies.pi05.scheduler import SchedulerConfig
+from policies.pi05.weight_sync import WeightSyncError
+
+BUCKET = 1 << 20  # 1 MiB: many buckets, and tensors that span several of them
+
+
+class StandInProcessor:
+    slots = (0, 1)
+    action_dim = 7
+    prompt_buckets = (16,)
+
+    def postprocess(self, model_actions: torch.Tensor, chunk: int) -> torch.Tensor:
+        return model_actions[:, :chunk, :7]
+
+
+def make_model(seed: int, value_source: str = "suffix") -> Pi05Model:
+    model = Pi05Model(Pi05Config.tiny(value_source=value_source))
+    randomize_parameters_(model, seed)
+    return model.set_precision(torch.float32).eval()
+
+
+def make_policy(seed: int = 0, value_source: str = "suffix") -> Pi05Policy:
+    sched = SchedulerConfig(max_batch_size=1, num_steps=(5,), camera_sets=((0, 1),), prompt_buckets=(16,))
+    return Pi05Policy(make_model(seed, value_source), StandInProcessor(), RolloutConfig(num_steps=5), sched)
+
+
+def state_equals(policy: Pi05Policy, model: Pi05Model, names: list[str] | None = None) -> bool:
+    theirs = dict(model.named_parameters())
+    return all(torch.equal(p, theirs[n]) for n, p in policy.model.named_parameters() if names is None or n in names)
+
+
+def tables_fresh(policy: Pi05Policy) -> bool:
+    fresh = RolloutTables(policy.model, (5,))
+    return torch.equal(fresh[5].modulation, policy.scheduler.tables[5].modulation)
+
+
+def attempt(fn) -> dict[str, Any]:
+    try:
+        report = fn()
+        return {"ok": True, "version": report.version, "num_tensors": report.num_tensors}
+    except WeightSyncError as err:
+        return {"ok": False, "error": str(err)}
+
+
+class FakeDTensor:
+    """Duck-typed DTensor whose materialisation fails for one tensor (a trainer-side failure mid-stream)."""
+
+    def __init__(self, full: torch.Tensor, fail: bool) -> None:
+        self.full, self.shape, self.dtype, self.fail = full, full.shape, full.dtype, fail
+
+    def full_tensor(self) -> torch.Tensor:
+        if self.fail:
+            raise RuntimeError("NCCL timeout while gathering shards")
+        return self.full.clone()
+
+
+# ------------------------------------------------------------------------------------------- scenarios
+def commit_then_nan(rank: int, world: int) -> dict[str, Any]:
+    """Rank 0: trainer-only source. Ranks 1..: policies. 1) commit all; 2) NaN on the last rank -> abort;
+    3) rank 0 also holds a policy, explicit version 5 -> commit."""
+    policy = make_policy(0) if rank > 0 else None
+    out: dict[str, Any] = {}
+    trainer = make_model(7)
+    out["first"] = attempt(
+        lambda: broadcast_weights(policy, trainer if rank == 0 else None, expected="all", bucket_bytes=BUCKET)
+    )
+    if policy is not None:
+        out["first_weights"] = state_equals(policy, trainer)
+        out["first_tables"] = tables_fresh(policy)
+        out["first_version"] = policy.weight_version
+
+    trainer2 = make_model(8)
+    if rank == world - 1:
+        assert policy is not None
+        original = policy.update_weights
+
+        def poisoned(named):  # receiver-side corruption: NaN in one staged tensor
+            named = [(n, t.clone().fill_(float("nan")) if n.endswith("mlp.down_proj.weight") else t) for n, t in named]
+            return original(named)
+
+        policy.update_weights = poisoned  # type: ignore[method-assign]
+    out["second"] = attempt(
+        lambda: broadcast_weights(policy, trainer2 if rank == 0 else None, expected="trainable", bucket_bytes=BUCKET)
+    )
+    if policy is not None:
+        out["second_weights_kept"] = state_equals(policy, trainer)
+        out["second_version"] = policy.weight_version
+        out["second_in_progress"] = policy.weight_update_in_progress
+        policy.__dict__.pop("update_weights", None)
+
+    if rank == 0:
+        policy = make_policy(0)
+    assert policy is not None
+    out["third"] = attempt(
+        lambda: broadcast_weights(
+            policy, trainer2 if rank == 0 else None, expected="trainable", version=5, bucket_bytes=BUCKET
+        )
+    )
+    trainable = [n for n, _ in policy.trainable_parameters()]
+    out["third_weights"] = state_equals(policy, trainer2, trainable)
+    out["third_frozen_kept"] = (
+        state_equals(policy, trainer, [n for n, _ in policy.model.named_parameters() if n not in trainable])
+        if rank > 0
+        else True
+    )
+    out["third_tables"] = tables_fresh(policy)
+    out["third_version"] = policy.weight_version
+    return out
+
+
+def refusals(rank: int, world: int) -> dict[str, Any]:
+    """Rank 1's model has a different value head (shape mismatch) -> refused before data moves; then the
+    source's DTensor fails to materialise mid-stream -> abort; then a stale explicit version -> refused."""
+    out: dict[str, Any] = {}
+    policy = make_policy(0, value_source="prefix" if rank == 1 else "suffix")
+    before = {n: p.detach().clone() for n, p in policy.model.named_parameters()}
+
+    def unchanged() -> bool:
+        return all(torch.equal(p, before[n]) for n, p in policy.model.named_parameters())
+
+    out["shape"] = attempt(
+        lambda: broadcast_weights(policy, make_model(7) if rank == 0 else None, expected="all", bucket_bytes=BUCKET)
+    )
+    out["shape_unchanged"] = unchanged() and policy.weight_version == 0
+
+    source = None
+    if rank == 0:
+        params = list(make_model(7, value_source="prefix").named_parameters())
+        source = [(n, FakeDTensor(p.detach(), fail=(i == len(params) - 5))) for i, (n, p) in enumerate(params)]
+    out["dtensor"] = attempt(
+        lambda: broadcast_weights(policy if rank == 1 else None, source, expected="all", bucket_bytes=BUCKET)
+    )
+    out["dtensor_unchanged"] = unchanged() and policy.weight_version == 0
+
+    out["version"] = attempt(
+        lambda: broadcast_weights(policy, policy.model if rank == 0 else None, expected="trainable", version=0)
+    )
+    out["version_unchanged"] = unchanged() and policy.weight_version == 0
+    return out
+
+
+SCENARIOS = {"commit_then_nan": commit_then_nan, "refusals": refusals}
+
+
+def _worker(rank: int, world: int, scenario: str, tmp: str) -> None:
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=f"file://{tmp}/rendezvous", rank=rank, world_size=world)
+    try:
+        result = SCENARIOS[scenario](rank, world)
+    except BaseException:  # report instead of hanging the parent on a bare exit code
+        result = {"crash": traceback.format_exc()}
+    finally:
+        dist.destroy_process_group()
+    Path(tmp, f"rank{rank}.json").write_text(json.dumps(result))
+
+
+def run(scenario: str, world: int, tmp_path: Path) -> list[dict[str, Any]]:
+    mp.spawn(_worker, args=(world, scenario, str(tmp_path)), nprocs=world, join=True)
+    results = [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in range(world)]
+    for r, res in enumerate(results):
+        assert "crash" not in res, f"rank {r}:\n{res['crash']}"
+    return results
+
+
+# ------------------------------------------------------------------------------------------------ tests
+def test_commit_everywhere_then_abort_everywhere(tmp_path: Path) -> None:
+    results = run("commit_then_nan", 3, tmp_path)
+    for r, res in enumerate(results):
+        assert res["first"] == {"ok": True, "version": 1, "num_tensors": 103}, (r, res["first"])
+        assert not res["second"]["ok"]
+        assert "aborted on every rank; rank 2 failed while sending, receiving or validating" in res["second"]["error"]
+        assert res["third"]["ok"] and res["third"]["version"] == 5, (r, res["third"])
+        assert res["third_weights"] and res["third_tables"] and res["third_version"] == 5
+        assert res["third_frozen_kept"]
+        if r > 0:
+            assert res["first_weights"] and res["first_tables"] and res["first_version"] == 1
+            assert res["second_weights_kept"] and res["second_version"] == 1 and not res["second_in_progress"]
+    assert "non-finite" in results[2]["second"]["error"] and "down_proj" in results[2]["second"]["error"]
+
+
+def test_refusals_abort_every_rank(tmp_path: Path) -> None:
+    results = run("refusals", 2, tmp_path)
+    for res in results:
+        assert not res["shape"]["ok"] and "rank 1 refused the manifest" in res["shape"]["error"]
+        assert res["shape_unchanged"]
+        assert not res["dtensor"]["ok"] and "rank 0 failed while sending" in res["dtensor"]["error"]
+        assert res["dtensor_unchanged"]
+        assert not res["version"]["ok"] and "rank 0 refused the manifest" in res["version"]["error"]
+        assert "version must increase" in res["version"]["error"]
+        assert res["version_unchanged"]
+    assert "expected shape" in results[1]["shape"]["error"]
+    assert "NCCL timeout while gathering shards" in results[0]["dtensor"]["error"]
+
+
+@pytest.mark.parametrize("bucket", [16, 1000, 64 << 20])
+def test_manifest_round_trip(bucket: int) -> None:
+    """Packing and unpacking without a process group: every tensor's bytes land where the manifest says."""
+    from policies.pi05.distributed_sync import _build_entries, _decode_meta, _encode_meta, _Packer
+
+    tensors = {
+        "a": torch.arange(7, dtype=torch.float32),
+        "b": torch.ones(3, 5, dtype=torch.bfloat16) * 2.5,
+        "c": torch.tensor(3.0, dtype=torch.float64),
+        "d": torch.zeros(0, 4),
+    }
+    entries = _build_entries(tensors, "all")
+    meta = _encode_meta(entries)
+    names = b"".join(e.name.encode() for e in entries)
+    decoded = _decode_meta(meta.tolist(), names, len(entries))
+    assert [(e.name, e.shape, e.dtype, e.offset, e.nbytes) for e in decoded] == [
+        (e.name, e.shape, e.dtype, e.offset, e.nbytes) for e in entries
+    ]
+    assert all(e.offset % 16 == 0 for e in entries)
+    total = entries[-1].end
+    payload = torch.empty(total, dtype=torch.uint8)
+    packer = _Packer(entries)
+    bucket = max(16, bucket // 16 * 16)
+    for lo in range(0, total, bucket):
+        hi = min(lo + bucket, total)
+        window = torch.empty(hi - lo, dtype=torch.uint8)
+        packer.fill(window, lo, hi)
+        payload[lo:hi] = window
+    for e in decoded:
+        got = payload[e.offset : e.end].view(e.dtype).view(e.shape)
+        assert torch.equal(got, tensors[e.name]), e.name

@@ -1,0 +1,457 @@
+"""ManiSkill3 adapter: freezable vector envs over ManiSkill tasks that yield the canonical observation (C1).
+
+Two ways to vectorise, both freezable (DESIGN C2):
+
+* ``vectorization="maniskill"`` (the default on the GPU simulator): one batched ManiSkill env inside
+  ``ManiSkillVectorEnv(auto_reset=False)``, wrapped in `ManiSkillFreezeWrapper`, which keeps finished envs
+  frozen (their terminal observation and info replayed, reward 0) and resets only the envs a
+  ``reset_mask``/thaw reset names, through ManiSkill's partial reset ``reset(options={"env_idx": ...})``.
+  Observations stay torch tensors on the simulation device.
+* ``vectorization="sync" | "async"`` (the default on the CPU simulator, which refuses ``num_envs > 1``): one
+  ``CPUGymWrapper`` env per sub-env inside `wrappers.freeze.make_freezable_vector_env`; numpy observations.
+
+Canonical observation: ``images["image"]`` = the task's ``base_camera`` RGB (``images["wrist_image"]`` =
+``hand_camera`` with ``robot_uids="panda_wristcam"``), uint8 (N, S, S, 3), upright as ManiSkill renders it;
+``state`` = ``agent/qpos`` (9 for Panda) + ``extra/tcp_pose`` (position 3 + quaternion wxyz 4), float32;
+``task`` = the instruction per env. Success comes from ``info["success"]`` (also reported as
+``info["is_success"]``); an episode terminates on success and is truncated at the task's step limit.
+
+Rendering without a GPU needs Vulkan: SAPIEN accepts Mesa >= 24.3 lavapipe. ``.ci/install_sims.sh``
+unpacks one privately and writes ``~/.cache/phyai-gym/sim_env.json``; when ``VK_ICD_FILENAMES`` is unset and
+no CUDA device is present, this module applies that file before SAPIEN is imported.
+"""
+
+from __future__ import annotations
+
+import functools
+import importlib
+import json
+import os
+import re
+import string
+from collections.abc import Mapping, Sequence
+from pathlib import Path
+from typing import Any, Literal
+
+import gymnasium as gym
+import numpy as np
+import torch
+from gymnasium import spaces
+from gymnasium.vector import AutoresetMode, VectorEnv, VectorWrapper
+
+from wrappers.freeze import FREEZABLE_KEY, THAW_OPTION, make_freezable_vector_env
+
+__all__ = [
+    "MANISKILL_INSTALL_HINT",
+    "MANISKILL_INSTRUCTIONS",
+    "ManiSkillFreezeWrapper",
+    "ManiSkillObservation",
+    "apply_renderer_env",
+    "make_maniskill_env",
+    "maniskill_instruction",
+]
+
+MANISKILL_INSTALL_HINT = (
+    'pip install "phyai-gym[maniskill]" (mani_skill + sapien; without a GPU also a Mesa >= 24.3 Vulkan '
+    "driver: run `bash .ci/install_sims.sh maniskill`)"
+)
+MANISKILL_INSTRUCTIONS: dict[str, str] = {
+    "PickCube-v1": "pick up the red cube and move it to the green goal",
+    "PushCube-v1": "push the cube to the red and white target",
+    "PullCube-v1": "pull the cube to the red and white target",
+    "StackCube-v1": "stack the red cube on top of the green cube",
+    "PegInsertionSide-v1": "insert the peg into the hole on the side of the box",
+    "PlugCharger-v1": "plug the charger into the wall receptacle",
+    "LiftPegUpright-v1": "lift the peg and stand it upright",
+    "PokeCube-v1": "use the peg to push the cube to the goal",
+    "PlaceSphere-v1": "place the sphere into the bin",
+    "RollBall-v1": "roll the ball to the goal region",
+    "PushT-v1": "push the T-shaped block onto the target pose",
+    "PickSingleYCB-v1": "pick up the object and move it to the green goal",
+}
+"""Task id -> instruction. Other ids get one made from the id (see `maniskill_instruction`)."""
+CAMERAS: dict[str, str] = {"base_camera": "image", "hand_camera": "wrist_image"}
+"""ManiSkill sensor name -> canonical camera name (other sensors keep their own name)."""
+TASK_CHARSET = frozenset(string.printable)
+MAX_TASK_LENGTH = 512
+SIM_ENV_FILE = Path(os.environ.get("PHYAI_GYM_CACHE", Path.home() / ".cache" / "phyai-gym")) / "sim_env.json"
+
+
+def maniskill_instruction(task: str, instruction: str | None = None) -> str:
+    """The instruction for a ManiSkill task id.
+
+    Args:
+        task: a ManiSkill env id, e.g. "PickCube-v1".
+        instruction: returned as is when given.
+
+    Returns:
+        ``instruction``, else the entry of `MANISKILL_INSTRUCTIONS`, else words made from the id.
+
+    Example:
+        >>> maniskill_instruction("PushCube-v1")
+        'push the cube to the red and white target'
+        >>> maniskill_instruction("OpenCabinetDrawer-v1")
+        'open cabinet drawer'
+    """
+    if instruction is not None:
+        return instruction
+    if task in MANISKILL_INSTRUCTIONS:
+        return MANISKILL_INSTRUCTIONS[task]
+    stem = re.sub(r"-v\d+$", "", task)
+    return " ".join(w.lower() for w in re.findall(r"[A-Z]+(?![a-z])|[A-Z]?[a-z]+|\d+", stem)) or task
+
+
+def apply_renderer_env(path: str | os.PathLike[str] | None = None) -> bool:
+    """Applies the CPU Vulkan renderer settings written by ``.ci/install_sims.sh``, if needed.
+
+    Sets ``VK_ICD_FILENAMES`` and ``XDG_RUNTIME_DIR`` (only those not set already) from the env file, and only
+    when no CUDA device is present (a GPU machine keeps its own Vulkan driver). Call it before SAPIEN is
+    imported; `make_maniskill_env` does.
+
+    Args:
+        path: the JSON env file (default ``~/.cache/phyai-gym/sim_env.json``).
+
+    Returns:
+        True when the renderer settings are in effect (set here or before).
+
+    Example:
+        >>> apply_renderer_env("/nonexistent.json")
+        False
+    """
+    if os.environ.get("VK_ICD_FILENAMES"):
+        return True
+    if torch.cuda.is_available():
+        return False
+    file = Path(path) if path is not None else SIM_ENV_FILE
+    if not file.is_file():
+        return False
+    values = json.loads(file.read_text(encoding="utf-8"))
+    icd = values.get("VK_ICD_FILENAMES")
+    if not icd or not Path(icd).is_file():
+        return False
+    for key in ("VK_ICD_FILENAMES", "XDG_RUNTIME_DIR"):
+        if values.get(key) and not os.environ.get(key):
+            os.environ[key] = str(values[key])
+    return True
+
+
+def _import_maniskill() -> None:
+    apply_renderer_env()
+    try:
+        importlib.import_module("sapien")
+        importlib.import_module("mani_skill.envs")
+    except ImportError as exc:
+        raise ImportError(
+            f"make_maniskill_env: ManiSkill3 is not installed ({exc}). Install it with {MANISKILL_INSTALL_HINT}."
+        ) from exc
+
+
+def _check_task(task: str) -> None:
+    if task not in gym.registry:
+        known = sorted(k for k in gym.registry if k.endswith("-v1") and k[0].isupper())
+        raise ValueError(
+            f"make_maniskill_env: unknown ManiSkill task {task!r}; e.g. {[k for k in known if 'Cube' in k][:8]} "
+            f"({len(known)} registered)."
+        )
+
+
+def _single_obs_space(image_size: int, cameras: Sequence[str], state_dim: int) -> spaces.Dict:
+    image = spaces.Box(0, 255, (image_size, image_size, 3), np.uint8)
+    return spaces.Dict(
+        {
+            "images": spaces.Dict({name: image for name in cameras}),
+            "state": spaces.Box(-np.inf, np.inf, (state_dim,), np.float32),
+            "task": spaces.Text(MAX_TASK_LENGTH, charset=TASK_CHARSET),
+        }
+    )
+
+
+def _camera_names(raw_space: spaces.Dict) -> list[str]:
+    sensors = raw_space["sensor_data"]
+    return [CAMERAS.get(name, name) for name in sensors.spaces if "rgb" in sensors[name].spaces]
+
+
+def _canonical_parts(raw: Mapping[str, Any], tcp_pose: Any) -> tuple[dict[str, Any], Any]:
+    images = {CAMERAS.get(name, name): data["rgb"] for name, data in raw["sensor_data"].items() if "rgb" in data}
+    extra = raw.get("extra", {})
+    tcp = extra["tcp_pose"] if "tcp_pose" in extra else tcp_pose()
+    qpos = raw["agent"]["qpos"]
+    if isinstance(qpos, torch.Tensor):
+        state = torch.cat([qpos.float(), torch.as_tensor(tcp, device=qpos.device).float()], dim=-1)
+    else:
+        state = np.concatenate([qpos, np.asarray(tcp).reshape(qpos.shape[:-1] + (-1,))], axis=-1).astype(np.float32)
+    return images, state
+
+
+class ManiSkillObservation(gym.ObservationWrapper):
+    """Turns one unbatched (``CPUGymWrapper``) ManiSkill env's observation into the canonical one (numpy).
+
+    Example:
+        >>> env = ManiSkillObservation(CPUGymWrapper(gym.make("PickCube-v1", obs_mode="rgb")), "pick")  # doctest: +SKIP
+        >>> sorted(env.reset(seed=0)[0])  # doctest: +SKIP
+        ['images', 'state', 'task']
+    """
+
+    def __init__(self, env: gym.Env, instruction: str) -> None:
+        super().__init__(env)
+        self.instruction = instruction
+        raw_space = env.observation_space
+        state_dim = raw_space["agent"]["qpos"].shape[-1] + 7
+        size = next(iter(raw_space["sensor_data"].values()))["rgb"].shape[-2]
+        self.observation_space = _single_obs_space(size, _camera_names(raw_space), state_dim)
+
+    def _tcp_pose(self) -> np.ndarray:
+        return self.env.unwrapped.agent.tcp.pose.raw_pose[0].cpu().numpy()
+
+    def observation(self, observation: Mapping[str, Any]) -> dict[str, Any]:
+        """Canonical observation of one env."""
+        images, state = _canonical_parts(observation, self._tcp_pose)
+        return {
+            "images": {k: np.asarray(v, dtype=np.uint8) for k, v in images.items()},
+            "state": state,
+            "task": self.instruction,
+        }
+
+    def step(self, action: Any) -> tuple[Any, Any, Any, Any, dict[str, Any]]:
+        """Steps the env; adds ``info["is_success"]``."""
+        obs, reward, terminated, truncated, info = super().step(action)
+        if "success" in info:
+            info["is_success"] = bool(info["success"])
+        return obs, float(reward), bool(terminated), bool(truncated), info
+
+
+def _make_cpu_env(task: str, instruction: str, ignore_terminations: bool, env_kwargs: dict[str, Any]) -> gym.Env:
+    _import_maniskill()
+    from mani_skill.utils.wrappers.gymnasium import CPUGymWrapper
+
+    env = gym.make(task, num_envs=1, sim_backend="physx_cpu", **env_kwargs)
+    return ManiSkillObservation(CPUGymWrapper(env, ignore_terminations=ignore_terminations), instruction)
+
+
+def _rows(value: Any, num_envs: int) -> bool:
+    return isinstance(value, torch.Tensor) and value.ndim >= 1 and value.shape[0] == num_envs
+
+
+class ManiSkillFreezeWrapper(VectorWrapper):
+    """Canonical observation and per-env freezing over a batched ``ManiSkillVectorEnv(auto_reset=False)``.
+
+    Freezing (rules of `wrappers.freeze`): an env that terminates or truncates is frozen; while frozen its
+    observation and info rows are the terminal ones, reward 0 and done flags False. The batched simulator
+    still steps it (a GPU batch cannot skip rows), which nobody observes before its reset. A reset that
+    does not carry ``THAW_OPTION`` leaves frozen envs alone; ``reset(options={"reset_mask": m, THAW_OPTION:
+    True})`` resets the masked envs through ManiSkill's partial reset (``options={"env_idx": ...}``). The
+    wrapper never autoresets (``metadata["autoreset_mode"] = DISABLED``).
+
+    Example:
+        >>> venv = make_maniskill_env("PickCube-v1", num_envs=4, sim_backend="gpu")  # doctest: +SKIP
+        >>> isinstance(venv, ManiSkillFreezeWrapper), venv.metadata[FREEZABLE_KEY]  # doctest: +SKIP
+        (True, True)
+    """
+
+    def __init__(self, env: VectorEnv, instruction: str) -> None:
+        super().__init__(env)
+        base = env.unwrapped
+        self.instruction = instruction
+        self.device = torch.device(str(base.device))
+        raw_space = base.single_observation_space
+        state_dim = raw_space["agent"]["qpos"].shape[-1] + 7
+        size = next(iter(raw_space["sensor_data"].values()))["rgb"].shape[-2]
+        self.single_observation_space = _single_obs_space(size, _camera_names(raw_space), state_dim)
+        self.observation_space = gym.vector.utils.batch_space(self.single_observation_space, self.num_envs)
+        self.metadata = {**env.metadata, "autoreset_mode": AutoresetMode.DISABLED, FREEZABLE_KEY: True}
+        self._frozen = torch.zeros(self.num_envs, dtype=torch.bool, device=self.device)
+        self._terminal_obs: dict[str, Any] | None = None
+        self._terminal_info: dict[str, Any] = {}
+
+    @property
+    def frozen(self) -> torch.Tensor:
+        """(N,) bool: envs that finished and wait for a thawing reset."""
+        return self._frozen.clone()
+
+    def _canonical(self, raw: Mapping[str, Any]) -> dict[str, Any]:
+        base = self.env.unwrapped
+        images, state = _canonical_parts(raw, lambda: base.agent.tcp.pose.raw_pose)
+        return {"images": dict(images), "state": state, "task": (self.instruction,) * self.num_envs}
+
+    def _merge(self, obs: dict[str, Any], info: dict[str, Any], keep: torch.Tensor) -> None:
+        """Replaces the rows `keep` of obs/info with the stored terminal ones (in place)."""
+        if self._terminal_obs is None or not bool(keep.any()):
+            return
+        for name, image in obs["images"].items():
+            image[keep] = self._terminal_obs["images"][name][keep]
+        obs["state"][keep] = self._terminal_obs["state"][keep]
+        for key, value in info.items():
+            stored = self._terminal_info.get(key)
+            if _rows(value, self.num_envs) and _rows(stored, self.num_envs):
+                value[keep] = stored[keep].to(value.dtype)
+
+    def _store(self, obs: dict[str, Any], info: dict[str, Any], rows: torch.Tensor) -> None:
+        if self._terminal_obs is None:
+            self._terminal_obs = {
+                "images": {k: v.clone() for k, v in obs["images"].items()},
+                "state": obs["state"].clone(),
+            }
+        else:
+            for name, image in obs["images"].items():
+                self._terminal_obs["images"][name][rows] = image[rows]
+            self._terminal_obs["state"][rows] = obs["state"][rows]
+        for key, value in info.items():
+            if not _rows(value, self.num_envs):
+                continue
+            if key not in self._terminal_info or self._terminal_info[key].shape != value.shape:
+                self._terminal_info[key] = value.clone()
+            else:
+                self._terminal_info[key][rows] = value[rows]
+
+    def _info(self, info: Mapping[str, Any]) -> dict[str, Any]:
+        info = dict(info)
+        if "success" in info:
+            info["is_success"] = info["success"].clone()
+        return info
+
+    def step(self, actions: Any) -> tuple[dict[str, Any], torch.Tensor, torch.Tensor, torch.Tensor, dict[str, Any]]:
+        """Steps every env; frozen rows replay their terminal transition with reward 0."""
+        actions = torch.as_tensor(actions, dtype=torch.float32, device=self.device)
+        raw, reward, terminated, truncated, info = self.env.step(actions)
+        obs, info = self._canonical(raw), self._info(info)
+        frozen = self._frozen
+        terminated = torch.as_tensor(terminated, device=self.device).bool() & ~frozen
+        truncated = torch.as_tensor(truncated, device=self.device).bool() & ~frozen
+        reward = torch.where(frozen, torch.zeros_like(reward), reward)
+        self._merge(obs, info, frozen)
+        done = terminated | truncated
+        if bool(done.any()):
+            self._store(obs, info, done)
+            self._frozen = frozen | done
+        return obs, reward, terminated, truncated, info
+
+    def reset(
+        self, *, seed: int | Sequence[int] | None = None, options: dict[str, Any] | None = None
+    ) -> tuple[dict[str, Any], dict[str, Any]]:
+        """Resets the envs in ``reset_mask`` (default all) except frozen ones, unless ``THAW_OPTION`` is set."""
+        options = dict(options or {})
+        thaw = bool(options.pop(THAW_OPTION, False))
+        mask = options.pop("reset_mask", None)
+        wanted = (
+            torch.ones(self.num_envs, dtype=torch.bool, device=self.device)
+            if mask is None
+            else torch.as_tensor(np.asarray(mask, dtype=bool), device=self.device)
+        )
+        if wanted.shape != (self.num_envs,):
+            raise ValueError(f"ManiSkillFreezeWrapper: reset_mask must have shape ({self.num_envs},)")
+        todo = wanted if thaw else wanted & ~self._frozen
+        if bool(todo.all()):
+            raw, info = self.env.reset(seed=seed, options=options or None)
+        elif bool(todo.any()):
+            options["env_idx"] = torch.nonzero(todo).flatten()
+            raw, info = self.env.reset(seed=seed, options=options)
+        else:
+            raw, info = self.env.unwrapped.get_obs(), {}
+        obs, info = self._canonical(raw), self._info(info)
+        self._frozen = self._frozen & ~todo
+        self._merge(obs, info, self._frozen)
+        return obs, info
+
+
+def make_maniskill_env(
+    task: str,
+    num_envs: int = 1,
+    *,
+    sim_backend: Literal["gpu", "cpu", "auto"] = "auto",
+    image_size: int = 224,
+    instruction: str | None = None,
+    control_mode: str = "pd_ee_delta_pose",
+    robot_uids: str | None = None,
+    max_episode_steps: int | None = None,
+    vectorization: Literal["auto", "maniskill", "sync", "async"] = "auto",
+    render_backend: str | None = None,
+    ignore_terminations: bool = False,
+    autoreset_mode: AutoresetMode | str = AutoresetMode.NEXT_STEP,
+    context: str = "forkserver",
+    **env_kwargs: Any,
+) -> VectorEnv:
+    """A freezable vector env over a ManiSkill3 task that yields the canonical observation (C1, C2).
+
+    Args:
+        task: ManiSkill env id; PickCube-v1 and PushCube-v1 are tested, any registered id works.
+        num_envs: number of parallel envs.
+        sim_backend: "gpu" (batched PhysX on CUDA), "cpu", or "auto" (gpu when CUDA is available).
+        image_size: camera height and width (square).
+        instruction: the task instruction; default from `MANISKILL_INSTRUCTIONS` or the id.
+        control_mode: ManiSkill controller, e.g. "pd_ee_delta_pose" (7-dim, the default) or "pd_joint_pos".
+        robot_uids: e.g. "panda_wristcam" for a wrist camera (``images["wrist_image"]``).
+        max_episode_steps: overrides the task's step limit.
+        vectorization: "maniskill" (one batched env; the "auto" choice on GPU), "sync" or "async" (one
+            CPUGymWrapper env per sub-env; the "auto" choice on CPU). The CPU simulator needs "sync"/"async"
+            for ``num_envs > 1``.
+        render_backend: SAPIEN render device (default "cpu" without CUDA, else ManiSkill's default).
+        ignore_terminations: do not end episodes on success (only on the step limit).
+        autoreset_mode: inner Sync/AsyncVectorEnv autoreset mode ("sync"/"async" only).
+        context: multiprocessing start method for "async".
+        **env_kwargs: passed to ``gym.make`` (e.g. ``reconfiguration_freq``).
+
+    Returns:
+        A freezable `gymnasium.vector.VectorEnv` (``metadata[FREEZABLE_KEY]``), observations as in C1.
+
+    Raises:
+        ImportError: ManiSkill3 (or SAPIEN) is not installed; names the extra to install.
+        ValueError: unknown task, bad backend/vectorization combination.
+
+    Example:
+        >>> venv = make_maniskill_env("PickCube-v1", num_envs=2, sim_backend="cpu")  # doctest: +SKIP
+        >>> obs, info = venv.reset(seed=0)  # doctest: +SKIP
+        >>> obs["images"]["image"].shape, obs["state"].shape  # doctest: +SKIP
+        ((2, 224, 224, 3), (2, 16))
+    """
+    if sim_backend == "auto":
+        sim_backend = "gpu" if torch.cuda.is_available() else "cpu"
+    if sim_backend not in ("gpu", "cpu"):
+        raise ValueError(f"make_maniskill_env: sim_backend must be 'gpu', 'cpu' or 'auto', got {sim_backend!r}")
+    if vectorization == "auto":
+        vectorization = "maniskill" if sim_backend == "gpu" else "sync"
+    if vectorization not in ("maniskill", "sync", "async"):
+        raise ValueError(
+            f"make_maniskill_env: vectorization must be 'auto', 'maniskill', 'sync' or 'async', got {vectorization!r}"
+        )
+    if vectorization == "maniskill" and sim_backend == "cpu" and num_envs > 1:
+        raise ValueError(
+            "make_maniskill_env: ManiSkill's CPU simulator runs one env per process; use vectorization='sync' "
+            "or 'async' for num_envs > 1 on CPU."
+        )
+    if num_envs < 1:
+        raise ValueError(f"make_maniskill_env: num_envs must be >= 1, got {num_envs}")
+    _import_maniskill()
+    _check_task(task)
+    text = maniskill_instruction(task, instruction)
+    if render_backend is None and not torch.cuda.is_available():
+        render_backend = "cpu"
+    kwargs: dict[str, Any] = {
+        "obs_mode": "rgb",
+        "control_mode": control_mode,
+        "sensor_configs": {"width": image_size, "height": image_size},
+        **env_kwargs,
+    }
+    if render_backend is not None:
+        kwargs["render_backend"] = render_backend
+    if robot_uids is not None:
+        kwargs["robot_uids"] = robot_uids
+    if max_episode_steps is not None:
+        kwargs["max_episode_steps"] = max_episode_steps
+
+    if vectorization == "maniskill":
+        from mani_skill.vector.wrappers.gymnasium import ManiSkillVectorEnv
+
+        backend = "physx_cuda" if sim_backend == "gpu" else "physx_cpu"
+        env = gym.make(task, num_envs=num_envs, sim_backend=backend, **kwargs)
+        inner = ManiSkillVectorEnv(env, auto_reset=False, ignore_terminations=ignore_terminations)
+        return ManiSkillFreezeWrapper(inner, text)
+
+    if sim_backend == "gpu":
+        raise ValueError("make_maniskill_env: the GPU simulator is batched; use vectorization='maniskill'.")
+    fn = functools.partial(_make_cpu_env, task, text, ignore_terminations, kwargs)
+    vector_kwargs: dict[str, Any] = {}
+    if vectorization == "async":
+        vector_kwargs.update(context=context, shared_memory=False)
+    return make_freezable_vector_env(
+        [fn] * num_envs, vectorization=vectorization, autoreset_mode=autoreset_mode, **vector_kwargs
+    )

@@ -1,0 +1,116 @@
+"""A small image + state reaching task whose target changes every episode, for PPO tests and examples.
+
+Each episode draws one of `num_targets` target positions in [-1, 1]. The target is visible twice: as the
+first state entry (so a ``"state"`` prompt carries it as discretised bins) and as a bright column in the
+image. The action is one number, a position; the episode succeeds when the target is the position's nearest
+target. Episodes last `episode_length` steps and end (terminate) on success or truncate at the limit.
+A policy that ignores the observation succeeds with probability about ``1 / num_targets``; a policy that
+reads the state can succeed every time, so the task shows quickly whether RL uses the observation.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Literal
+
+import gymnasium as gym
+import numpy as np
+from gymnasium import spaces
+from gymnasium.vector import AutoresetMode, VectorEnv
+
+from wrappers.adapters.scripted import canonical_observation_space
+from wrappers.freeze import make_freezable_vector_env
+
+TARGET_TASK = "move to the target"
+"""The instruction every `TargetEnv` carries."""
+
+
+def target_positions(num_targets: int) -> np.ndarray:
+    """(k,) float32 target positions, evenly spaced and centred in [-1, 1] (k=2: -0.5 and 0.5)."""
+    if num_targets < 2:
+        raise ValueError(f"target_positions: num_targets must be >= 2, got {num_targets}.")
+    return ((np.arange(num_targets) + 0.5) / num_targets * 2.0 - 1.0).astype(np.float32)
+
+
+class TargetEnv(gym.Env):
+    """Reach the target shown in the state and the image; the target is redrawn every episode.
+
+    Observation (canonical, DESIGN C1): ``images["image"]`` (S, S, 3) uint8 with a bright column at the
+    target, ``state`` (2,) = [target position, fraction of the episode elapsed], ``task`` = `TARGET_TASK`.
+    Action: (1,) float32 in [-1, 1]. Reward: 1 on success, else ``-0.1 * |action - target|`` (a small
+    shaping term). ``info["is_success"]`` marks success.
+
+    Args:
+        num_targets: k, the number of possible targets (the best constant action succeeds about 1/k of the time).
+        episode_length: steps before truncation (1 = a contextual bandit).
+        image_size: S.
+
+    Example:
+        >>> env = TargetEnv(num_targets=2)
+        >>> obs, _ = env.reset(seed=0)
+        >>> target = float(obs["state"][0])
+        >>> _, reward, terminated, truncated, info = env.step(np.array([target], np.float32))
+        >>> reward, terminated, info["is_success"]
+        (1.0, True, True)
+    """
+
+    metadata = {"render_modes": []}
+
+    def __init__(self, num_targets: int = 2, episode_length: int = 1, image_size: int = 32) -> None:
+        if episode_length < 1:
+            raise ValueError(f"TargetEnv: episode_length must be >= 1, got {episode_length}.")
+        self.positions = target_positions(num_targets)
+        self.episode_length = int(episode_length)
+        self.image_size = int(image_size)
+        self.observation_space = canonical_observation_space({"image": (image_size, image_size)}, 2)
+        self.action_space = spaces.Box(-1.0, 1.0, (1,), np.float32)
+        self._target = 0
+        self._t = 0
+
+    def _obs(self) -> dict[str, Any]:
+        size = self.image_size
+        image = np.full((size, size, 3), 32, np.uint8)
+        centre = int(round((self.positions[self._target] + 1.0) / 2.0 * (size - 1)))
+        width = max(1, size // (2 * len(self.positions)))
+        image[:, max(0, centre - width) : centre + width + 1] = 255
+        state = np.array([self.positions[self._target], self._t / self.episode_length], np.float32)
+        return {"images": {"image": image}, "state": state, "task": TARGET_TASK}
+
+    def reset(
+        self, *, seed: int | None = None, options: dict[str, Any] | None = None
+    ) -> tuple[dict[str, Any], dict[str, Any]]:
+        """Draws a new target from `np_random`."""
+        super().reset(seed=seed)
+        self._target = int(self.np_random.integers(len(self.positions)))
+        self._t = 0
+        return self._obs(), {}
+
+    def step(self, action: np.ndarray) -> tuple[dict[str, Any], float, bool, bool, dict[str, Any]]:
+        """Scores the position `action[0]` against the target."""
+        position = float(np.clip(np.asarray(action, np.float32).reshape(-1)[0], -1.0, 1.0))
+        target = float(self.positions[self._target])
+        success = int(np.argmin(np.abs(self.positions - position))) == self._target
+        self._t += 1
+        reward = 1.0 if success else -0.1 * abs(position - target)
+        truncated = not success and self._t >= self.episode_length
+        return self._obs(), reward, success, truncated, {"is_success": success}
+
+
+def make_target_env(
+    num_envs: int = 8,
+    num_targets: int = 2,
+    episode_length: int = 1,
+    image_size: int = 32,
+    vectorization: Literal["sync", "async"] = "sync",
+    autoreset_mode: AutoresetMode | str = AutoresetMode.SAME_STEP,
+) -> VectorEnv:
+    """A freezable vector env of `TargetEnv`s (canonical observations, one action dim).
+
+    Example:
+        >>> venv = make_target_env(num_envs=2)
+        >>> obs, _ = venv.reset(seed=0)
+        >>> obs["state"].shape, obs["images"]["image"].shape
+        ((2, 2), (2, 32, 32, 3))
+        >>> venv.close()
+    """
+    fns = [lambda: TargetEnv(num_targets, episode_length, image_size) for _ in range(num_envs)]
+    return make_freezable_vector_env(fns, vectorization=vectorization, autoreset_mode=autoreset_mode)

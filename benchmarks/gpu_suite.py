@@ -120,6 +120,49 @@ def section_rollout(out: Path) -> None:
         bench_case(case, [8, 64], out / "gpu_results.jsonl", method="sde", value_source="prefix", iters=10)
 
 
+def section_startup(out: Path) -> None:
+    """Start-up at full size: build, allocate and capture every declared graph (K in {5, 10}, 4 prompt
+    buckets, 7 batch buckets, 3 cameras, prefix values), then peak memory of a batch-64 rollout."""
+    from benchmarks.bench_policy import _Processor, make_inputs
+    from policies.pi05.config import Pi05Config
+    from policies.pi05.model import Pi05Model
+    from policies.pi05.policy import Pi05Policy, RolloutConfig
+    from policies.pi05.scheduler import SchedulerConfig
+
+    torch.cuda.synchronize()
+    start = time.perf_counter()
+    with torch.device("cuda"):
+        model = Pi05Model(Pi05Config.pi05_base(value_source="prefix"))
+    model.set_precision(torch.bfloat16)
+    built = time.perf_counter()
+    sched = SchedulerConfig(max_batch_size=64, prompt_buckets=(16, 48, 112, 200), num_steps=(5, 10),
+                            camera_sets=((0, 1, 2),))
+    policy = Pi05Policy(model, _Processor((0, 1, 2), (16, 48, 112, 200)), RolloutConfig(num_steps=10), sched)
+    torch.cuda.synchronize()
+    ready = time.perf_counter()
+    torch.cuda.reset_peak_memory_stats()
+    x = make_inputs(64, (0, 1, 2), 200, 224, "cuda")
+    policy.act_inputs(x)
+    torch.cuda.synchronize()
+    _emit(out, {"section": "startup", "build_s": built - start, "setup_capture_s": ready - built,
+                "total_s": ready - start, "graphs": policy.scheduler.stats.captures,
+                "batch_buckets": list(sched.batch_buckets), "prompt_buckets": list(sched.prompt_buckets),
+                "num_steps": [5, 10], "peak_mem_gib_batch64_3cam": torch.cuda.max_memory_allocated() / 2**30,
+                "note": "random weights built on the GPU (a checkpoint load adds the safetensors read)"})
+    del policy, model
+    torch.cuda.empty_cache()
+
+
+def section_soak(out: Path) -> None:
+    """5,000 full-size captured steps: memory flat after warm-up, no recapture."""
+    try:
+        from benchmarks import soak_gpu
+    except ImportError as err:
+        _emit(out, {"section": "soak", "status": f"not run: {err}"})
+        return
+    soak_gpu.run(out / "gpu_results.jsonl")
+
+
 def section_sync(out: Path) -> None:
     """Weight-sync benchmarks (in-process, pinned host)."""
     try:
@@ -146,6 +189,8 @@ SECTIONS = {
     "policy": section_policy,
     "rollout": section_rollout,
     "sync": section_sync,
+    "startup": section_startup,
+    "soak": section_soak,
     "processor": section_processor,
 }
 

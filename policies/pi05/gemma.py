@@ -44,7 +44,8 @@ class RMSNorm(nn.Module):
         """(..., width) -> (..., width) in x's dtype."""
         if x.dtype in (torch.float32, torch.float64):
             return rms_normalize(x, self.eps) * (1.0 + self.weight.to(x.dtype))
-        return (rms_normalize(x.float(), self.eps) * (1.0 + self.weight.float())).to(x.dtype)
+        # Half dtypes: one fused pass (statistics in float32 inside the kernel), weight applied in x's dtype.
+        return F.rms_norm(x, (x.shape[-1],), weight=(1.0 + self.weight.float()).to(x.dtype), eps=self.eps)
 
 
 class AdaRMSNorm(nn.Module):
@@ -116,9 +117,29 @@ class GemmaAttentionProj(nn.Module):
         self.v_proj = nn.Linear(cfg.width, cfg.num_kv_heads * cfg.head_dim, bias=False)
         self.o_proj = nn.Linear(cfg.num_heads * cfg.head_dim, cfg.width, bias=False)
 
-    def qkv(self, h: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, need_q: bool = True):
-        """(B, T, width) -> q (B, N, T, hd) or None, k and v (B, Nkv, T, hd); RoPE applied to q and k."""
+    def fused_weight(self) -> torch.Tensor:
+        """[q; k; v] rows stacked: one GEMM instead of three (a derived copy, refreshed after weight updates)."""
+        return torch.cat([self.q_proj.weight, self.k_proj.weight, self.v_proj.weight], dim=0)
+
+    def qkv(
+        self,
+        h: torch.Tensor,
+        cos: torch.Tensor,
+        sin: torch.Tensor,
+        need_q: bool = True,
+        fused: torch.Tensor | None = None,
+    ):
+        """(B, T, width) -> q (B, N, T, hd) or None, k and v (B, Nkv, T, hd); RoPE applied to q and k.
+
+        With `fused` (see `fused_weight`) q, k, v come from one GEMM and RoPE runs once over q and k together.
+        """
         b, t, _ = h.shape
+        if fused is not None:
+            n, nkv, hd = self.num_heads, self.num_kv_heads, self.head_dim
+            y = F.linear(h, fused)  # (B, T, (N + 2 Nkv) hd)
+            qk = apply_rope(y[..., : (n + nkv) * hd].reshape(b, t, n + nkv, hd).transpose(1, 2), cos, sin)
+            v = y[..., (n + nkv) * hd :].reshape(b, t, nkv, hd).transpose(1, 2)
+            return qk[:, :n], qk[:, n:], v
         k = self.k_proj(h).view(b, t, self.num_kv_heads, self.head_dim).transpose(1, 2)
         v = self.v_proj(h).view(b, t, self.num_kv_heads, self.head_dim).transpose(1, 2)
         k = apply_rope(k, cos, sin)
@@ -143,8 +164,15 @@ class GemmaMLP(nn.Module):
         self.up_proj = nn.Linear(cfg.width, cfg.mlp_dim, bias=False)
         self.down_proj = nn.Linear(cfg.mlp_dim, cfg.width, bias=False)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        """(..., width) -> (..., width)."""
+    def fused_weight(self) -> torch.Tensor:
+        """[gate; up] rows stacked (a derived copy, refreshed after weight updates)."""
+        return torch.cat([self.gate_proj.weight, self.up_proj.weight], dim=0)
+
+    def forward(self, x: torch.Tensor, fused: torch.Tensor | None = None) -> torch.Tensor:
+        """(..., width) -> (..., width); `fused` = `fused_weight()` runs gate and up as one GEMM."""
+        if fused is not None:
+            gate, up = F.linear(x, fused).chunk(2, dim=-1)
+            return self.down_proj(F.gelu(gate, approximate="tanh") * up)
         return self.down_proj(F.gelu(self.gate_proj(x), approximate="tanh") * self.up_proj(x))
 
 

@@ -30,6 +30,8 @@ _DTYPES = {"bfloat16": torch.bfloat16, "float32": torch.float32, "float16": torc
 
 def torch_dtype(name: str) -> torch.dtype:
     """'bfloat16' -> torch.bfloat16, etc."""
+    if name not in _DTYPES:
+        raise ValueError(f"dtype: expected one of {sorted(_DTYPES)}, got {name!r}.")
     return _DTYPES[name]
 
 
@@ -99,6 +101,7 @@ class Pi05Model(nn.Module):
         self.noise_head: NoiseHead | None = None
         if cfg.noise_head:
             self.noise_head = NoiseHead(cfg.expert.width, cfg.noise_hidden, cfg.action_dim, cfg.noise_std_range)
+        self.fused_expert: list[tuple[torch.Tensor, torch.Tensor]] | None = None
         self.attention_config = attention or AttentionConfig()
         self.plan: AttentionPlan = self.attention_config.resolve(torch.device("cpu"), torch.float32)
 
@@ -129,6 +132,26 @@ class Pi05Model(nn.Module):
         device = next(self.parameters()).device
         self.plan = self.attention_config.resolve(device, self.compute_dtype)
         return self.plan
+
+    def build_fused_expert(self) -> None:
+        """Derived [q;k;v] and [gate;up] weights of every expert layer for the no-grad rollout path.
+
+        Three GEMMs become one and RoPE runs once for q and k, per layer and denoise step. The copies live in
+        fixed storage; `refresh_fused_expert()` rewrites them in place after a weight update.
+        """
+        with torch.no_grad():
+            self.fused_expert = [
+                (layer.self_attn.fused_weight(), layer.mlp.fused_weight()) for layer in self.expert.layers
+            ]
+
+    def refresh_fused_expert(self) -> None:
+        """Rewrite the fused copies in place from the current parameters (captured graphs stay valid)."""
+        if self.fused_expert is None:
+            return
+        with torch.no_grad():
+            for (qkv, gate_up), layer in zip(self.fused_expert, self.expert.layers):
+                qkv.copy_(layer.self_attn.fused_weight())
+                gate_up.copy_(layer.mlp.fused_weight())
 
     # ---------------------------------------------------------------------------------------- prefix
     def embed_images(self, images: torch.Tensor) -> torch.Tensor:
@@ -203,9 +226,11 @@ class Pi05Model(nn.Module):
         cos, sin = cache.suffix_rope
         key_mask = cache.suffix_mask
         scale = cfg.head_dim**-0.5
+        use_fused = self.fused_expert is not None and not torch.is_grad_enabled()
         for i, layer in enumerate(self.expert.layers):
+            fused_qkv, fused_mlp = self.fused_expert[i] if use_fused else (None, None)  # type: ignore[index]
             hidden, gate = layer.input_layernorm(x, mods[2 * i])
-            q, k, v = layer.self_attn.qkv(hidden, cos, sin)
+            q, k, v = layer.self_attn.qkv(hidden, cos, sin, fused=fused_qkv)
             if cache.suffix_offset is None:
                 k = torch.cat([cache.keys[i], k], dim=2)
                 v = torch.cat([cache.values[i], v], dim=2)
@@ -215,7 +240,7 @@ class Pi05Model(nn.Module):
                 k, v = cache.keys[i], cache.values[i]
             x = torch.addcmul(x, layer.self_attn.out(attend(q, k, v, key_mask, scale, self.plan.expert)), gate)
             hidden, gate = layer.post_attention_layernorm(x, mods[2 * i + 1])
-            x = torch.addcmul(x, layer.mlp(hidden), gate)
+            x = torch.addcmul(x, layer.mlp(hidden, fused_mlp), gate)
         out, _ = self.expert.norm(x, mods[-1])
         return upcast(out)
 

@@ -24,7 +24,7 @@ from .config import Pi05Config
 from .evaluate import EvalOutput, evaluate_rollout
 from .inputs import ModelInputs
 from .model import Pi05Model, randomize_parameters_, torch_dtype
-from .sampler import SamplingOptions
+from .sampler import METHODS, SamplingOptions
 from .scheduler import Pi05Scheduler, SchedulerConfig
 from .weight_sync import WeightSyncMixin
 
@@ -56,6 +56,8 @@ class RolloutConfig:
     def __post_init__(self) -> None:
         if self.trainable not in ("expert", "all"):
             raise ValueError(f"trainable: expected 'expert' or 'all', got {self.trainable!r}.")
+        if self.method not in METHODS:
+            raise ValueError(f"RolloutConfig.method: expected one of {METHODS}, got {self.method!r}.")
 
 
 class Pi05Policy(WeightSyncMixin):
@@ -93,6 +95,11 @@ class Pi05Policy(WeightSyncMixin):
                 num_steps=(self.rollout.num_steps,),
                 camera_sets=(tuple(processor.slots),),
                 prompt_buckets=tuple(getattr(processor, "prompt_buckets", (16, 48, 112, 200))),
+            )
+        if self.rollout.num_steps not in scheduler.num_steps:
+            raise ValueError(
+                f"rollout.num_steps: expected one of the scheduler's declared num_steps {tuple(scheduler.num_steps)}, "
+                f"got {self.rollout.num_steps}; declare it in SchedulerConfig.num_steps."
             )
         self.scheduler = Pi05Scheduler(model, scheduler)
         self.streams = StreamTable(self.device)
@@ -253,19 +260,38 @@ class Pi05Policy(WeightSyncMixin):
         ids = torch.as_tensor(env_ids, dtype=torch.int64)
         if ids.ndim != 1 or ids.shape[0] != n:
             raise ValueError(f"env_ids: expected {n} ids (one per observation row), got shape {tuple(ids.shape)}.")
-        upper = int(ids.max()) + 1 if ids.device.type == "cpu" else None
+        upper = None
+        if ids.device.type == "cpu":  # device ids are not checked: that would sync the host
+            if int(ids.min()) < 0:
+                raise ValueError(f"env_ids: expected ids >= 0 (stream table rows), got {ids.tolist()}.")
+            upper = int(ids.max()) + 1
         return ids.to(self.device), upper or n
 
-    def _streams(self, n: int, seeds, env_ids, advance: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    def _streams(self, n: int, seeds, env_ids) -> tuple[torch.Tensor, torch.Tensor, Any]:
+        """(seeds, counters) a call draws from, and a `commit()` that records the call in the table.
+
+        Nothing in the table changes until `commit()` (after the call succeeded): a refused call leaves every
+        stream as it was (C3).
+        """
         ids, upper = self._env_ids(n, env_ids)
+        seed_t = None
         if seeds is not None:
             seed_t = torch.as_tensor(seeds, dtype=torch.int64)
             if seed_t.ndim == 0:
                 seed_t = seed_t + torch.arange(n)
             if seed_t.shape != (n,):
                 raise ValueError(f"seeds: expected an int or {n} seeds, got shape {tuple(seed_t.shape)}.")
-            self.streams.set_seeds(ids, seed_t.to(self.device), upper)
-        return self.streams.take(ids, upper, advance=advance)
+            seed_t = seed_t.to(self.device)
+        current, counters = self.streams.take(ids, upper, advance=False)
+        if seed_t is not None:
+            current, counters = seed_t, torch.zeros_like(counters)
+
+        def commit() -> None:
+            if seed_t is not None:
+                self.streams.set_seeds(ids, seed_t, upper)
+            self.streams.counters[ids] = counters + 1
+
+        return current, counters, commit
 
     def act_inputs(
         self,
@@ -280,9 +306,10 @@ class Pi05Policy(WeightSyncMixin):
         self._check_open()
         opts = self.sampling_options(deterministic, action_chunk)
         with self._lock:
-            seeds_t, counters = self._streams(inputs.batch_size, seeds, env_ids, advance=True)
+            seeds_t, counters, commit_streams = self._streams(inputs.batch_size, seeds, env_ids)
             with self._weights_in_use():  # weight sync (C6): ordered after the last commit, before the next
                 out, inds = self.scheduler.rollout(inputs, seeds_t, counters, opts)
+            commit_streams()
             model_actions = out.chain[:, -1]
             actions = self.processor.postprocess(model_actions, opts.action_chunk)
             elements = out.log_prob_elements[:, : opts.action_chunk, : opts.action_dim]
@@ -323,12 +350,13 @@ class Pi05Policy(WeightSyncMixin):
         with self._lock:
             inputs = self.processor(obs)
             n = inputs.batch_size
+            self._env_ids(n, env_ids)  # validated for every value source, used by the suffix source
             if self.model.value_head is None:
                 return torch.zeros(n, device=self.device)
             if self.config.value_source == "prefix":
                 with self._weights_in_use():  # weight sync (C6)
                     return self.scheduler.prefix_value(inputs)
-            seeds_t, counters = self._streams(n, None, env_ids, advance=False)
+            seeds_t, counters, _ = self._streams(n, None, env_ids)  # value() consumes no stream
             with self._weights_in_use():  # weight sync (C6)
                 out, _ = self.scheduler.rollout(inputs, seeds_t, counters, self.sampling_options(deterministic=True))
             return out.values
@@ -340,8 +368,14 @@ class Pi05Policy(WeightSyncMixin):
         The batch's header must match this policy's settings (method, K, a, C, A, value source, joint);
         the weight version may differ (that is the point of the ratio).
         """
-        if batch.chains is None or batch.denoise_inds is None or batch.inputs is None:
-            raise ValueError("evaluate(batch): the batch lacks chains/denoise_inds/inputs; pass act() outputs.")
+        if not isinstance(batch, PolicyOutput):
+            raise TypeError(f"evaluate(batch): expected a PolicyOutput from act(), got {type(batch).__name__}.")
+        lacking = [name for name in ("chains", "denoise_inds", "inputs") if getattr(batch, name) is None]
+        if lacking:
+            raise ValueError(
+                f"evaluate(batch): expected a batch with chains, denoise_inds and inputs (what act() returns), got "
+                f"None for {lacking}; pass act() outputs."
+            )
         h = batch.header
         opts = SamplingOptions(
             method=h.method,

@@ -139,6 +139,7 @@ class Pi05Scheduler:
         start = time.perf_counter()
         cfg, mcfg = self.config, self.model.config
         self.tables = RolloutTables(self.model, cfg.num_steps)
+        self.model.build_fused_expert()
         dev, bmax, lmax = self.device, cfg.max_batch_size, self.prompt_buckets[-1]
         s, h, d, kmax = mcfg.vision.image_size, mcfg.action_horizon, mcfg.action_dim, max(cfg.num_steps)
         tmax = len(mcfg.camera_slots) * mcfg.vision.num_patches + lmax
@@ -399,6 +400,10 @@ class Pi05Scheduler:
         return torch.cat(out)
 
     def refresh_tables(self) -> None:
-        """Recompute weight-derived tables in place (after a weight commit); graphs stay valid."""
+        """Recompute weight-derived tables and fused weight copies in place (after a weight commit).
+
+        Storage is kept, so captured graphs stay valid and nothing is recaptured.
+        """
         if self.tables is not None:
             self.tables.refresh()
+        self.model.refresh_fused_expert()

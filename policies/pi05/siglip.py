@@ -15,9 +15,12 @@ from .config import SiglipConfig
 
 
 def layer_norm_fp32(x: torch.Tensor, norm: nn.LayerNorm) -> torch.Tensor:
-    """LayerNorm computed in float32 and cast back to the input dtype."""
-    y = F.layer_norm(x.float(), norm.normalized_shape, norm.weight.float(), norm.bias.float(), norm.eps)
-    return y.to(x.dtype)
+    """LayerNorm with float32 statistics, returned in the input dtype.
+
+    float32/float64 inputs run in their own dtype; half inputs go through one kernel that accumulates in
+    float32 (the float32 affine parameters are cast to the input dtype, a few KiB).
+    """
+    return F.layer_norm(x, norm.normalized_shape, norm.weight.to(x.dtype), norm.bias.to(x.dtype), norm.eps)
 
 
 class SiglipEmbeddings(nn.Module):

@@ -27,6 +27,7 @@ import io
 import json
 import os
 import tempfile
+import warnings
 from pathlib import Path
 from typing import Any, Protocol, runtime_checkable
 
@@ -36,6 +37,8 @@ DEFAULT_TOKENIZER = "google/paligemma-3b-pt-224"
 PALIGEMMA_VOCAB_SIZE = 257_152
 """Gemma's 256,000 pieces + 1,024 ``<loc>`` + 128 ``<seg>`` tokens."""
 
+STANDIN_NAME = "phyai-standin"
+"""Tokenizer name that asks for the locally built stand-in explicitly (built on first use, with a warning)."""
 STANDIN_MARKER = "phyai_standin.json"
 """File that marks a folder as a stand-in tokenizer built by `build_standin_tokenizer`."""
 
@@ -139,6 +142,14 @@ def load_tokenizer(
     if backend not in ("auto", "sentencepiece", "transformers"):
         raise ValueError(f"load_tokenizer: backend must be 'auto', 'sentencepiece' or 'transformers', got {backend!r}.")
     name = str(name_or_path)
+    if name == STANDIN_NAME:  # an explicit request, never a fallback
+        folder = build_standin_tokenizer(default_standin_dir())
+        warnings.warn(
+            f"load_tokenizer: using the locally built stand-in tokenizer at {folder} (PaliGemma's vocabulary size "
+            "and special ids, not its token ids); fine for random-weight demos and tests, not for checkpoints.",
+            stacklevel=2,
+        )
+        return SentencePieceTokenizer(Path(folder) / "tokenizer.model", name=STANDIN_NAME)
     path = Path(name).expanduser()
     if path.exists():
         model_file = path if path.is_file() else path / "tokenizer.model"

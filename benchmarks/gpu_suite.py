@@ -120,6 +120,69 @@ def section_rollout(out: Path) -> None:
         bench_case(case, [8, 64], out / "gpu_results.jsonl", method="sde", value_source="prefix", iters=10)
 
 
+def _randomize_on_gpu(model, seed: int = 0, std: float = 0.02, device: str = "cuda") -> None:
+    """Seeded N(0, std) for every parameter, drawn on the GPU (zero-initialised adaRMS would switch the expert's
+    residual branches off and hide any precision gap)."""
+    gen = torch.Generator(device=device).manual_seed(seed)
+    with torch.no_grad():
+        for _, p in sorted(model.named_parameters(), key=lambda kv: kv[0]):
+            noise = torch.empty(p.shape, device=device, dtype=torch.float32).normal_(0.0, std, generator=gen)
+            p.copy_(noise.to(p.dtype))
+
+
+def section_ratio(out: Path, device: str = "cuda", cfg=None, batch: int = 64) -> None:
+    """Issue 5 on the GPU, LIBERO RL setting: update-0 log-ratio of the bf16 graph rollout against an eager trainer
+    copy (bf16 and fp32), and graph vs eager rollout outputs."""
+    from benchmarks.bench_policy import _Processor, make_inputs
+    from policies.pi05.config import Pi05Config
+    from policies.pi05.model import Pi05Model
+    from policies.pi05.policy import Pi05Policy, RolloutConfig
+    from policies.pi05.scheduler import SchedulerConfig
+
+    cfg = cfg or Pi05Config.pi05_base(action_horizon=10, num_steps=5, value_source="prefix")
+    proc = _Processor((0, 1), (48,))
+    rollout_cfg = RolloutConfig(method="sde", num_steps=5, noise_level=0.5, action_chunk=5)
+    sched = SchedulerConfig(max_batch_size=batch, batch_buckets=(batch,), prompt_buckets=(48,), num_steps=(5,),
+                            camera_sets=((0, 1),))
+    with torch.device(device):
+        model = Pi05Model(cfg)
+    _randomize_on_gpu(model, device=device)
+    state = {k: v.detach().clone() for k, v in model.state_dict().items()}
+    model.set_precision(torch.bfloat16)
+    graph = Pi05Policy(model, proc, rollout_cfg, sched)
+    x = make_inputs(batch, (0, 1), 48, cfg.vision.image_size, device)
+    rollout = graph.act_inputs(x, seeds=torch.arange(batch, device=device))
+    for dtype in (torch.bfloat16, torch.float32):
+        with torch.device(device):
+            trainer_model = Pi05Model(cfg)
+        trainer_model.load_state_dict(state)
+        trainer_model.set_precision(dtype)
+        trainer = Pi05Policy(trainer_model, proc, rollout_cfg, replace_graphs(sched))
+        if dtype == torch.bfloat16:
+            eager = trainer.act_inputs(x, seeds=torch.arange(batch, device=device))
+            _emit(out, {"section": "ratio", "check": "graph vs eager rollout (same bf16 model weights)",
+                        "chains_max_abs_diff": float((eager.chains - rollout.chains).abs().max()),
+                        "log_prob_max_abs_diff": float((eager.log_prob - rollout.log_prob).abs().max())})
+        ev = trainer.evaluate(rollout)
+        log_ratio = (ev.log_prob.detach() - rollout.log_prob).float()
+        _emit(out, {"section": "ratio", "setting": "LIBERO RL (2 cams, 48 tok, K=5, H=10, C=5, A=7, sde a=0.5)",
+                    "batch": batch, "trainer_dtype": str(dtype), "mean_abs_log_ratio": float(log_ratio.abs().mean()),
+                    "max_abs_log_ratio": float(log_ratio.abs().max()),
+                    "clip_fraction": float(((log_ratio.exp() - 1).abs() > 0.2).float().mean()),
+                    "mean_abs_value_diff": float((ev.values.detach() - rollout.values).abs().mean())})
+        del trainer, trainer_model
+    del graph, model
+    if device == "cuda":
+        torch.cuda.empty_cache()
+
+
+def replace_graphs(sched):
+    """The same scheduler settings without CUDA graphs (the eager trainer copy)."""
+    import dataclasses
+
+    return dataclasses.replace(sched, cuda_graphs=False)
+
+
 def section_startup(out: Path) -> None:
     """Start-up at full size: build, allocate and capture every declared graph (K in {5, 10}, 4 prompt
     buckets, 7 batch buckets, 3 cameras, prefix values), then peak memory of a batch-64 rollout."""
@@ -190,6 +253,7 @@ SECTIONS = {
     "rollout": section_rollout,
     "sync": section_sync,
     "startup": section_startup,
+    "ratio": section_ratio,
     "soak": section_soak,
     "processor": section_processor,
 }

@@ -1,5 +1,6 @@
 """CUDA-graph scheduler checks (run on the GPU by benchmarks/gpu_suite.py; skipped on CPU)."""
 
+import numpy as np
 import pytest
 import torch
 
@@ -135,3 +136,37 @@ def test_no_host_sync_on_the_step_path():
     finally:
         torch.cuda.set_sync_debug_mode("default")
     assert out.actions.shape == (4, 4, 7)
+
+
+def test_state_in_prompt_step_with_gpu_state_has_no_host_sync(standin_tokenizer):
+    """The real processor (state-in-prompt, device-built state tokens) + graphs, observations on the GPU."""
+    from policies.pi05.normalize import NormStats
+
+    stats = NormStats(q01=np.full(8, -1.0), q99=np.full(8, 1.0), mean=np.zeros(8), std=np.ones(8))
+    policy = Pi05Policy.from_config(
+        Pi05Config.tiny(max_token_len=200), action_dim=7, device="cuda", seed=0, tokenizer=standin_tokenizer,
+        camera_map={"image": "base_0_rgb", "wrist": "left_wrist_0_rgb"}, prompt_format="state", state_stats=stats,
+        scheduler=SchedulerConfig(max_batch_size=8, num_steps=(5,), camera_sets=((0, 1),), prompt_buckets=(48, 200)),
+        rollout=RolloutConfig(num_steps=5, action_chunk=4),
+    )
+    g = torch.Generator(device="cuda").manual_seed(0)
+    obs = {
+        "images": {
+            "image": torch.randint(0, 256, (4, 224, 224, 3), device="cuda", dtype=torch.uint8, generator=g),
+            "wrist": torch.randint(0, 256, (4, 224, 224, 3), device="cuda", dtype=torch.uint8, generator=g),
+        },
+        "state": torch.rand(4, 8, device="cuda", generator=g) * 2 - 1,
+        "task": ["pick up the cube"] * 4,
+    }
+    env_ids = torch.arange(4, device="cuda")
+    policy.act(obs, env_ids=env_ids)  # warm: task tokens cached, streams sized
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        out = policy.act(obs, env_ids=env_ids)
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+    assert out.actions.shape == (4, 4, 7)
+    host = policy.processor({k: ({c: v.cpu() for c, v in obs["images"].items()} if k == "images" else
+                                 (v.cpu() if torch.is_tensor(v) else v)) for k, v in obs.items()})
+    assert torch.equal(out.inputs.tokens.cpu(), host.tokens.cpu())  # device-built prompt == host tokenisation

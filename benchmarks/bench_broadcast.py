@@ -1,0 +1,103 @@
+"""Cross-GPU weight broadcast (DESIGN C6) against raw NCCL bandwidth, rank 0 (trainer) -> rank 1 (rollout policy).
+
+    torchrun --nproc_per_node 2 benchmarks/bench_broadcast.py --out results.jsonl [--config base|tiny]
+
+Rank 0 holds a trainer model (no policy); rank 1 a `Pi05Policy`. Measured in the same run: a plain
+`dist.broadcast` of one flat buffer with the bytes of the expert + heads, and `broadcast_weights` of the same
+parameters (manifest as tensors, bounded buckets, validation, vote, commit). JSONL rows from rank 0.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import time
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from benchmarks.bench_policy import _Processor, env_row  # noqa: E402
+from policies.pi05.config import Pi05Config  # noqa: E402
+from policies.pi05.distributed_sync import broadcast_weights  # noqa: E402
+from policies.pi05.model import Pi05Model  # noqa: E402
+from policies.pi05.policy import Pi05Policy, RolloutConfig  # noqa: E402
+from policies.pi05.scheduler import SchedulerConfig  # noqa: E402
+
+
+def _p50(xs: list[float]) -> float:
+    return sorted(xs)[len(xs) // 2]
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--out", type=Path, required=True)
+    parser.add_argument("--config", choices=("base", "tiny"), default="base")
+    parser.add_argument("--iters", type=int, default=5)
+    args = parser.parse_args()
+    cuda = torch.cuda.is_available()
+    dist.init_process_group("nccl" if cuda else "gloo")
+    rank = dist.get_rank()
+    device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", 0))) if cuda else torch.device("cpu")
+    if cuda:
+        torch.cuda.set_device(device)
+    cfg = Pi05Config.pi05_base(action_horizon=10, num_steps=5) if args.config == "base" else Pi05Config.tiny()
+    with torch.device(device):
+        model = Pi05Model(cfg)
+    model.set_precision(torch.bfloat16 if cuda else torch.float32)
+    policy = None
+    if rank != 0:
+        sched = SchedulerConfig(max_batch_size=1, prompt_buckets=(16,), num_steps=(cfg.num_steps,),
+                                camera_sets=((0,),), cuda_graphs=False)
+        policy = Pi05Policy(model, _Processor((0,), (16,)), RolloutConfig(num_steps=cfg.num_steps, action_chunk=5),
+                            sched)
+    # The trainable set of the rollout policy (expert + projections + time MLP + heads), on the trainer side.
+    trainable = {n for n, p in model.named_parameters() if _is_trainable(n)}
+    source = {n: p for n, p in model.named_parameters() if n in trainable}
+    nbytes = sum(p.numel() * p.element_size() for p in source.values())
+    flat = torch.empty(nbytes, dtype=torch.uint8, device=device)
+    raw, synced = [], []
+    for it in range(args.iters + 1):
+        dist.barrier()
+        if cuda:
+            torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        dist.broadcast(flat, src=0)
+        if cuda:
+            torch.cuda.synchronize()
+        if it:
+            raw.append((time.perf_counter() - t0) * 1e3)
+        dist.barrier()
+        if cuda:
+            torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        report = broadcast_weights(policy, source if rank == 0 else None, src=0, expected="trainable")
+        if cuda:
+            torch.cuda.synchronize()
+        if it:
+            synced.append((time.perf_counter() - t0) * 1e3)
+    version = torch.tensor([policy.weight_version if policy is not None else -1], device=device)
+    dist.all_reduce(version, op=dist.ReduceOp.MAX)
+    if rank == 0:
+        row = {**env_row(), "bench": "weight_broadcast", "config": args.config, "world_size": dist.get_world_size(),
+               "backend": dist.get_backend(), "tensors": len(source), "bytes": nbytes,
+               "raw_broadcast_p50_ms": _p50(raw), "raw_GB_per_s": nbytes / _p50(raw) / 1e6,
+               "broadcast_weights_p50_ms": _p50(synced), "ratio_to_raw": _p50(synced) / _p50(raw),
+               "target_ratio": 2.0, "final_version": int(version.item()), "report_tensors": report.num_tensors}
+        print(json.dumps(row), flush=True)
+        with args.out.open("a") as f:
+            f.write(json.dumps(row) + "\n")
+    dist.barrier()
+    dist.destroy_process_group()
+
+
+def _is_trainable(name: str) -> bool:
+    return name.startswith(("expert.", "action_in_proj", "action_out_proj", "time_mlp", "value_head", "noise_head"))
+
+
+if __name__ == "__main__":
+    main()

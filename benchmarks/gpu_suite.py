@@ -226,6 +226,22 @@ def section_soak(out: Path) -> None:
     soak_gpu.run(out / "gpu_results.jsonl")
 
 
+def section_policy_quick(out: Path) -> None:
+    """A short re-measure at the current commit: case (a) batch 1 and 64, case (b) batch 8, 40 and 64."""
+    bench_case("a", [1, 64], out / "gpu_results.jsonl", method="ode", value_source="none", iters=10)
+    bench_case("b", [8, 40, 64], out / "gpu_results.jsonl", method="ode", value_source="none", iters=10)
+
+
+def section_wrapper(out: Path) -> None:
+    """Wrapper + processor overhead over the bare policy call at N = 8 and 64 (full size, 3 cameras)."""
+    try:
+        from benchmarks import bench_wrapper
+    except ImportError as err:
+        _emit(out, {"section": "wrapper", "status": f"not run: {err}"})
+        return
+    bench_wrapper.run(out / "gpu_results.jsonl", "cuda", cameras=(3,), iters=10)
+
+
 def section_sync(out: Path) -> None:
     """Weight-sync benchmarks (in-process, pinned host)."""
     try:
@@ -254,6 +270,8 @@ SECTIONS = {
     "sync": section_sync,
     "startup": section_startup,
     "ratio": section_ratio,
+    "policy_quick": section_policy_quick,
+    "wrapper": section_wrapper,
     "soak": section_soak,
     "processor": section_processor,
 }

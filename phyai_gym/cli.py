@@ -1,91 +1,194 @@
-"""The ``phyai-gym`` command line.
+"""The ``phyai-gym`` command line: ``run`` (the main job) and ``eval`` (success rates).
 
-``phyai-gym run`` drives a policy (for now the Gaussian baseline; PI0.5 once wired) through
-`wrappers.PolicyVectorEnv` for a few chunks and prints a per-step table and a summary. Further subcommands
-(``eval``, ``bench``) get their own ``_add_<name>_parser`` / ``_<name>`` pair.
+``phyai-gym run`` with no arguments is an offline demo: a tiny PI0.5 with random weights and the stand-in
+tokenizer on 4 MuJoCo Pusher envs. ``phyai-gym run --checkpoint DIR --preset P --env libero_spatial``
+runs a real checkpoint on a real simulator. ``phyai-gym eval`` measures success rates over a fixed,
+resumable episode plan (`phyai_gym.evaluation`). Each subcommand has an ``_add_<name>_parser`` /
+``_<name>`` pair; errors in the options exit with status 2 and a message saying how to fix them.
 """
 
 from __future__ import annotations
 
 import argparse
 import sys
-import time
 from collections.abc import Sequence
+from pathlib import Path
 from typing import Any
 
-import numpy as np
-import torch
+from phyai_gym.run import POLICIES, RunConfig
+
+
+def _add_policy_env_arguments(parser: argparse.ArgumentParser, default_env: str | None) -> None:
+    env_help = "'scripted', 'target', a Gymnasium MuJoCo id (Pusher-v5), a LIBERO suite or a ManiSkill task id"
+    parser.add_argument("--env", default=default_env, required=default_env is None, help=env_help)
+    parser.add_argument("--num-envs", type=int, default=4, help="N, sub-envs")
+    parser.add_argument("--seed", type=int, default=0, help="env i and its policy stream get seed + i")
+    parser.add_argument("--checkpoint", default=None, help="PI0.5 checkpoint folder (safetensors)")
+    parser.add_argument("--preset", default=None, help="processor preset of the checkpoint")
+    parser.add_argument(
+        "--policy", choices=POLICIES, default=None, help="policy without a checkpoint (random weights; run: tiny)"
+    )
+    parser.add_argument("--action-chunk", type=int, default=None, help="C, env steps per policy call")
+    parser.add_argument("--device", default="cpu", help="torch device of the policy")
+    parser.add_argument("--image-size", type=int, default=None, help="rendered image side")
+    parser.add_argument("--max-episode-steps", type=int, default=None, help="episode limit override")
+    parser.add_argument("--vectorization", choices=["sync", "async"], default="sync")
 
 
 def _add_run_parser(subparsers: Any) -> None:
     parser = subparsers.add_parser("run", help="run a policy in a vector env and print what it does")
-    parser.add_argument("--env", default="Pusher-v5", help="'scripted' or a Gymnasium MuJoCo id (Pusher-v5)")
-    parser.add_argument("--num-envs", type=int, default=4, help="N, sub-envs")
+    _add_policy_env_arguments(parser, default_env="Pusher-v5")
     parser.add_argument("--chunks", type=int, default=3, help="policy calls (each runs C env steps)")
-    parser.add_argument("--seed", type=int, default=0, help="env i and its policy stream get seed + i")
-    parser.add_argument("--action-chunk", type=int, default=5, help="C, env steps per policy call")
     parser.add_argument("--std", type=float, default=0.5, help="Gaussian baseline standard deviation")
-    parser.add_argument("--image-size", type=int, default=224, help="rendered image side (MuJoCo)")
-    parser.add_argument("--vectorization", choices=["sync", "async"], default="sync")
+    parser.add_argument("--deterministic", action="store_true", help="ODE sampling (no noise)")
     parser.set_defaults(handler=_run)
 
 
-def _build_env(args: argparse.Namespace) -> Any:
-    from wrappers import make_mujoco_env, make_scripted_env
+def _add_eval_parser(subparsers: Any) -> None:
+    parser = subparsers.add_parser("eval", help="success rates over a fixed, resumable episode plan")
+    _add_policy_env_arguments(parser, default_env=None)
+    parser.add_argument("--episodes", type=int, required=True, help="episodes per task")
+    parser.add_argument("--out", default=None, help="folder for episodes.jsonl, results.csv, videos (resumable)")
+    parser.add_argument("--video", type=int, default=0, help="MP4s of the first K episodes (needs --out)")
+    parser.add_argument("--stochastic", action="store_true", help="sample with the rollout method (default: ODE)")
+    parser.add_argument("--task-ids", default=None, help="LIBERO task ids, comma-separated (default: all)")
+    parser.add_argument(
+        "--max-episodes-this-run", type=int, default=None, help="stop after this many new episodes (resume later)"
+    )
+    parser.set_defaults(handler=_eval)
 
-    if args.env == "scripted":
-        return make_scripted_env(args.num_envs, episode_lengths=(7, 12), vectorization=args.vectorization)
-    return make_mujoco_env(
-        args.env, num_envs=args.num_envs, vectorization=args.vectorization, image_size=args.image_size
+
+def _config(args: argparse.Namespace, **extra: Any) -> RunConfig:
+    return RunConfig(
+        env=args.env,
+        num_envs=args.num_envs,
+        action_chunk=args.action_chunk,
+        seed=args.seed,
+        checkpoint=args.checkpoint,
+        preset=args.preset,
+        policy=args.policy,
+        device=args.device,
+        image_size=args.image_size,
+        max_episode_steps=args.max_episode_steps,
+        vectorization=args.vectorization,
+        **extra,
     )
 
 
 def _run(args: argparse.Namespace) -> int:
-    from tqdm import tqdm
+    from phyai_gym.run import run
 
-    from policies.baseline import GaussianPolicy
-    from wrappers import PolicyVectorEnv
-
-    env = _build_env(args)
-    action_dim = int(env.single_action_space.shape[0])
-    policy = GaussianPolicy(action_dim, action_horizon=max(args.action_chunk, 1), std=args.std)
-    wrapper = PolicyVectorEnv(env, policy, action_chunk=args.action_chunk)
-    obs, _ = wrapper.reset(seed=args.seed)
-    print(f"env={args.env} num_envs={wrapper.num_envs} action_chunk={args.action_chunk} "
-          f"action_dim={action_dim} state_dim={obs['state'].shape[1]} task={obs['task'][0]!r}")  # fmt: skip
-    rows, returns, episodes = [], np.zeros(wrapper.num_envs), []
-    start = time.perf_counter()
-    for chunk in tqdm(range(args.chunks), desc="chunks", unit="chunk", file=sys.stderr):
-        obs, rewards, terminated, truncated, info = wrapper.step()
-        rows.extend(_table_rows(chunk, rewards, terminated | truncated, info["policy"]))
-        returns += rewards
-        if "episode" in info:
-            episodes.extend(np.asarray(info["episode"]["r"])[info["_episode"]].tolist())
-    elapsed = time.perf_counter() - start
-    wrapper.close()
-    _print_table(rows)
-    env_steps = args.chunks * args.action_chunk * wrapper.num_envs
-    print(f"summary: {args.chunks} chunks, {env_steps} env steps in {elapsed:.2f} s "
-          f"({env_steps / max(elapsed, 1e-9):.1f} env steps/s); mean return so far {returns.mean():.3f}; "
-          f"finished episodes {len(episodes)}")  # fmt: skip
+    run(_config(args, chunks=args.chunks, std=args.std, deterministic=args.deterministic))
     return 0
 
 
-def _table_rows(chunk: int, rewards: np.ndarray, done: np.ndarray, policy: dict[str, torch.Tensor]) -> list:
-    norms = policy["actions"].flatten(1).norm(dim=1).tolist()
-    return [
-        (chunk, i, float(rewards[i]), float(policy["log_prob"][i]), float(policy["values"][i]), norms[i],
-         bool(done[i]))
-        for i in range(len(rewards))
-    ]  # fmt: skip
+def _eval(args: argparse.Namespace) -> int:
+    from tqdm import tqdm
+
+    from phyai_gym.evaluation import evaluate_success, file_sha256, format_table, project_commit
+    from phyai_gym.make import MODEL_FILE, check_checkpoint, check_preset, resolve_env
+    from phyai_gym.run import action_chunk_for, build_env, build_policy
+    from wrappers import PolicyVectorEnv
+
+    if args.checkpoint is None and args.policy is None:
+        raise ValueError(
+            "eval needs --checkpoint DIR (a PI0.5 checkpoint folder), or --policy tiny|base|gaussian for a "
+            "random policy (tests and smoke runs)."
+        )
+    if args.video and args.out is None:
+        raise ValueError("conflicting options: --video needs --out DIR (the videos are written there).")
+    if args.episodes < 1:
+        raise ValueError(f"--episodes: expected >= 1, got {args.episodes}.")
+    kind = resolve_env(args.env).kind
+    if args.task_ids is not None and kind != "libero":
+        raise ValueError(f"conflicting options: --task-ids applies to LIBERO suites, not --env {args.env!r}.")
+    check_preset(args.preset)
+    sha = "none (random weights)"
+    if args.checkpoint is not None:
+        root = check_checkpoint(args.checkpoint)
+        weights = root / MODEL_FILE if (root / MODEL_FILE).is_file() else sorted(root.glob("*.safetensors"))[0]
+        sha = file_sha256(weights)
+    cfg = _config(args)
+    env_kwargs = {}
+    if args.task_ids is not None:
+        env_kwargs["task_ids"] = [int(t) for t in args.task_ids.split(",")]
+    env = build_env(cfg, args.preset) if not env_kwargs else _libero_env(cfg, env_kwargs)
+    try:
+        policy, description = build_policy(cfg, int(env.single_action_space.shape[0]))
+        chunk = action_chunk_for(cfg, policy)
+        wrapper = PolicyVectorEnv(env, policy, action_chunk=chunk, deterministic=not args.stochastic)
+    except BaseException:
+        env.close()
+        raise
+    limit, settle = _episode_limits(env)
+    header = {
+        "env": args.env,
+        "policy": description,
+        "checkpoint": args.checkpoint,
+        "checkpoint_sha256": sha,
+        "preset": getattr(getattr(policy, "processor", None), "config", None) and policy.processor.config.preset,
+        "action_chunk": chunk,
+        "episode_limit": limit,
+        "settle_steps": settle,
+        "deterministic": not args.stochastic,
+        "num_envs": args.num_envs,
+        "commit": project_commit(),
+    }
+    print(f"policy: {description}")
+    print(f"env={args.env} num_envs={args.num_envs} action_chunk={chunk} episodes per task={args.episodes}")
+    bar = tqdm(desc="episodes", unit="ep", file=sys.stderr)
+    try:
+        result = evaluate_success(
+            wrapper,
+            args.episodes,
+            header=header,
+            out_dir=args.out,
+            seed=args.seed,
+            init_state_option=kind == "libero",
+            max_episodes_this_run=args.max_episodes_this_run,
+            video_episodes=args.video,
+            progress=bar,
+        )
+    except KeyboardInterrupt:
+        print(f"interrupted; finished episodes are in {args.out}; run the same command again to resume.")
+        return 130
+    finally:
+        bar.close()
+        wrapper.close()
+    print(format_table(result))
+    planned = len(result.header["tasks"]) * args.episodes
+    status = "complete" if result.complete else f"partial ({len(result.rows)}/{planned}; rerun to resume)"
+    print(f"episodes: {status}")
+    if result.out_dir is not None:
+        print(f"wrote {Path(result.out_dir) / 'episodes.jsonl'} and {Path(result.out_dir) / 'results.csv'}")
+        for path in result.videos:
+            print(f"video: {path}")
+    return 0
 
 
-def _print_table(rows: list) -> None:
-    header = f"{'chunk':>5} {'env':>3} {'reward':>10} {'log-prob':>10} {'value':>8} {'|action|':>9} {'done':>5}"
-    print(header)
-    print("-" * len(header))
-    for chunk, env, reward, log_prob, value, norm, done in rows:
-        print(f"{chunk:>5} {env:>3} {reward:>10.4f} {log_prob:>10.3f} {value:>8.3f} {norm:>9.3f} {done!s:>5}")
+def _libero_env(cfg: RunConfig, kwargs: dict[str, Any]) -> Any:
+    from phyai_gym.make import make_env
+
+    return make_env(cfg.env, cfg.num_envs, image_size=cfg.image_size, max_episode_steps=cfg.max_episode_steps,
+                    vectorization=cfg.vectorization, **kwargs)  # fmt: skip
+
+
+def _episode_limits(env: Any) -> tuple[int | None, int | None]:
+    """(episode limit, settle steps) of the first sub-env, where the env exposes them."""
+
+    def first(name: str) -> Any:
+        try:
+            return env.get_attr(name)[0]
+        except Exception:  # not every env has the attribute, and async envs may refuse
+            return None
+
+    limit = first("max_episode_steps")
+    if limit is None:
+        spec = first("spec")
+        limit = getattr(spec, "max_episode_steps", None)
+    if limit is None:
+        limit = first("episode_length")
+    return limit, first("settle_steps")
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -93,13 +196,18 @@ def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="phyai-gym", description="Run PI0.5 (or a baseline) in Gymnasium.")
     subparsers = parser.add_subparsers(dest="command", required=True)
     _add_run_parser(subparsers)
+    _add_eval_parser(subparsers)
     return parser
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    """Entry point of the ``phyai-gym`` console script."""
-    args = build_parser().parse_args(argv)
-    return int(args.handler(args))
+    """Entry point of the ``phyai-gym`` console script; option errors exit with status 2 and a remedy."""
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    try:
+        return int(args.handler(args))
+    except (ValueError, FileNotFoundError, ImportError) as error:
+        parser.exit(2, f"phyai-gym {args.command}: error: {error}\n")
 
 
 if __name__ == "__main__":

@@ -106,7 +106,13 @@ class GaussianPolicy:
         n, chunk = batch_size(obs), self._chunk(action_chunk)
         ids, upper = _ids(env_ids, n, self.device)
         if seeds is not None:
-            self.streams.set_seeds(ids, torch.as_tensor(seeds, dtype=torch.int64), upper=upper)
+            seed_t = torch.as_tensor(seeds, dtype=torch.int64)
+            if seed_t.ndim != 0 and tuple(seed_t.shape) != (n,):
+                raise ValueError(
+                    f"GaussianPolicy.act: seeds: expected an int or {n} seeds (one per observation row), got shape "
+                    f"{tuple(seed_t.shape)}."
+                )
+            self.streams.set_seeds(ids, seed_t, upper=upper)
         stream_seeds, counters = self.streams.take(ids, upper=upper)
         shape = (n, chunk, self.action_dim)
         if deterministic:

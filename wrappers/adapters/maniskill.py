@@ -415,8 +415,14 @@ def make_maniskill_env(
         )
     if vectorization == "maniskill" and sim_backend == "cpu" and num_envs > 1:
         raise ValueError(
-            "make_maniskill_env: ManiSkill's CPU simulator runs one env per process; use vectorization='sync' "
+            "make_maniskill_env: ManiSkill's CPU simulator runs one env per process, so vectorization='maniskill' "
+            f"with sim_backend='cpu' expects num_envs=1, got num_envs={num_envs}; use vectorization='sync' "
             "or 'async' for num_envs > 1 on CPU."
+        )
+    if sim_backend == "gpu" and vectorization != "maniskill":
+        raise ValueError(
+            "make_maniskill_env: the GPU simulator is batched; sim_backend='gpu' expects vectorization='maniskill', "
+            f"got vectorization={vectorization!r}."
         )
     if num_envs < 1:
         raise ValueError(f"make_maniskill_env: num_envs must be >= 1, got {num_envs}")
@@ -446,8 +452,6 @@ def make_maniskill_env(
         inner = ManiSkillVectorEnv(env, auto_reset=False, ignore_terminations=ignore_terminations)
         return ManiSkillFreezeWrapper(inner, text)
 
-    if sim_backend == "gpu":
-        raise ValueError("make_maniskill_env: the GPU simulator is batched; use vectorization='maniskill'.")
     fn = functools.partial(_make_cpu_env, task, text, ignore_terminations, kwargs)
     vector_kwargs: dict[str, Any] = {}
     if vectorization == "async":

@@ -64,6 +64,20 @@ def _make_single(name: str, image_size: int, task: str, env_kwargs: dict[str, An
     return MujocoCanonicalObservation(env, task)
 
 
+def _check_args(name: str, num_envs: int, image_size: int) -> None:
+    """Validates `make_mujoco_env` arguments before any env is built (errors name argument, expected, received)."""
+    if not isinstance(num_envs, int | np.integer) or num_envs < 1:
+        raise ValueError(f"make_mujoco_env: num_envs must be an int >= 1, got {num_envs!r}.")
+    if not isinstance(image_size, int | np.integer) or image_size < 1:
+        raise ValueError(f"make_mujoco_env: image_size must be an int >= 1 (rendered image side), got {image_size!r}.")
+    if not isinstance(name, str) or name not in gym.registry:
+        known = sorted(k for k, s in gym.registry.items() if "mujoco" in str(s.entry_point) and k.endswith("-v5"))
+        raise ValueError(
+            f"make_mujoco_env: name must be a registered Gymnasium env id (a MuJoCo task, e.g. one of {known}), "
+            f"got {name!r}."
+        )
+
+
 def make_mujoco_env(
     name: str = "Pusher-v5",
     num_envs: int = 4,
@@ -94,6 +108,7 @@ def make_mujoco_env(
         >>> obs["images"]["image"].shape, obs["state"].shape, obs["task"]  # doctest: +SKIP
         ((2, 64, 64, 3), (2, 23), ('push the puck to the goal', 'push the puck to the goal'))
     """
+    _check_args(name, num_envs, image_size)
     os.environ.setdefault("MUJOCO_GL", "egl")
     fns = [lambda: _make_single(name, image_size, task, env_kwargs) for _ in range(num_envs)]
     venv = make_freezable_vector_env(fns, vectorization=vectorization, autoreset_mode=autoreset_mode)

@@ -1,11 +1,12 @@
 """A small image + state reaching task whose target changes every episode, for PPO tests and examples.
 
 Each episode draws one of `num_targets` target positions in [-1, 1]. The target is visible twice: as the
-first state entry (so a ``"state"`` prompt carries it as discretised bins) and as a bright column in the
-image. The action is one number, a position; the episode succeeds when the target is the position's nearest
-target. Episodes last `episode_length` steps and end (terminate) on success or truncate at the limit.
-A policy that ignores the observation succeeds with probability about ``1 / num_targets``; a policy that
-reads the state can succeed every time, so the task shows quickly whether RL uses the observation.
+first state entry (so a ``"state"`` prompt carries it as discretised bins) and as the colour of the image
+(`TARGET_COLOURS`; a whole-image cue, because a randomly initialised model reads a small image detail too
+weakly to learn from it in a few minutes). The action is one number, a position; the episode succeeds when
+the target is the position's nearest target. Episodes last `episode_length` steps and end (terminate) on
+success or truncate at the limit. A policy that ignores the observation succeeds about ``1 / num_targets``
+of the time; one that reads it can always succeed, so the task shows quickly whether RL uses the observation.
 """
 
 from __future__ import annotations
@@ -22,6 +23,8 @@ from wrappers.freeze import make_freezable_vector_env
 
 TARGET_TASK = "move to the target"
 """The instruction every `TargetEnv` carries."""
+TARGET_COLOURS: tuple[tuple[int, int, int], ...] = ((0, 0, 0), (255, 255, 255), (255, 0, 0), (0, 0, 255), (0, 255, 0))
+"""Image colour of target index i (cycled): the image shows which target is active."""
 
 
 def target_positions(num_targets: int) -> np.ndarray:
@@ -34,8 +37,8 @@ def target_positions(num_targets: int) -> np.ndarray:
 class TargetEnv(gym.Env):
     """Reach the target shown in the state and the image; the target is redrawn every episode.
 
-    Observation (canonical, DESIGN C1): ``images["image"]`` (S, S, 3) uint8 with a bright column at the
-    target, ``state`` (2,) = [target position, fraction of the episode elapsed], ``task`` = `TARGET_TASK`.
+    Observation (canonical, DESIGN C1): ``images["image"]`` (S, S, 3) uint8 in the target's colour,
+    ``state`` (2,) = [target position, fraction of the episode elapsed], ``task`` = `TARGET_TASK`.
     Action: (1,) float32 in [-1, 1]. Reward: 1 on success, else ``-0.1 * |action - target|`` (a small
     shaping term). ``info["is_success"]`` marks success.
 
@@ -67,11 +70,8 @@ class TargetEnv(gym.Env):
         self._t = 0
 
     def _obs(self) -> dict[str, Any]:
-        size = self.image_size
-        image = np.full((size, size, 3), 32, np.uint8)
-        centre = int(round((self.positions[self._target] + 1.0) / 2.0 * (size - 1)))
-        width = max(1, size // (2 * len(self.positions)))
-        image[:, max(0, centre - width) : centre + width + 1] = 255
+        colour = TARGET_COLOURS[self._target % len(TARGET_COLOURS)]
+        image = np.broadcast_to(np.array(colour, np.uint8), (self.image_size, self.image_size, 3)).copy()
         state = np.array([self.positions[self._target], self._t / self.episode_length], np.float32)
         return {"images": {"image": image}, "state": state, "task": TARGET_TASK}
 

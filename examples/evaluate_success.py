@@ -1,0 +1,36 @@
+"""Success rates of a policy with a fixed, resumable episode plan, without the CLI.
+
+python examples/evaluate_success.py                       # tiny random PI0.5 on the target task
+python examples/evaluate_success.py --checkpoint DIR --preset openpi_pi05_libero --env libero_spatial
+"""
+
+from __future__ import annotations
+
+import argparse
+
+from phyai_gym import PolicyVectorEnv, evaluate_success, make_env, make_policy
+from phyai_gym.evaluation import format_table
+
+parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+parser.add_argument("--env", default="target")
+parser.add_argument("--checkpoint", default=None)
+parser.add_argument("--preset", default=None)
+parser.add_argument("--episodes", type=int, default=16, help="episodes per task")
+parser.add_argument("--num-envs", type=int, default=4)
+parser.add_argument("--out", default=None, help="folder for episodes.jsonl / results.csv (resumable)")
+args = parser.parse_args()
+
+env = make_env(args.env, num_envs=args.num_envs)
+if args.checkpoint is None:  # random tiny PI0.5 with the stand-in tokenizer: a smoke test, ~50 % on "target"
+    policy = make_policy(action_dim=env.single_action_space.shape[0], prompt_format="state")
+else:
+    policy = make_policy(args.checkpoint, preset=args.preset)
+envs = PolicyVectorEnv(env, policy, action_chunk=1 if args.env == "target" else None, deterministic=True)
+
+libero = args.env.startswith("libero_")  # LIBERO: episodes use the suite's fixed initial states
+result = evaluate_success(envs, args.episodes, out_dir=args.out, seed=0, init_state_option=libero)
+envs.close()
+print(format_table(result))
+overall = result.overall
+ci = f"95% CI {overall.ci_low:.3f}-{overall.ci_high:.3f}"
+print(f"overall success {overall.success_rate:.3f} ({ci}), {overall.episodes} episodes")

@@ -1,0 +1,382 @@
+"""PPO for PI0.5 over a PolicyVectorEnv, in the style of cleanrl's ppo_continuous_action.py.
+
+Two copies of the policy: the ROLLOUT policy acts in the envs (CUDA graphs on a GPU), the TRAINER copy
+(eager, same weights, trainable subset only) recomputes log-probs/values with `evaluate()` and takes the
+optimizer steps. After every update the rollout policy receives the trainer's trainable weights through
+the weight-sync hook (`policy.sync_weights(trainer.model)`), and its weight version goes up by one.
+
+One MDP step is one action chunk (C env steps, rewards summed, RLinf's chunk-level setting). Truncated
+episodes are bootstrapped with the critic on their final observation (``infos["policy"]["final_value"]``).
+
+    python examples/ppo_pi05.py                                 # tiny PI0.5 on the target task, CPU
+    python examples/ppo_pi05.py --config base --device cuda     # published geometry on a GPU
+    python examples/ppo_pi05.py --env libero_spatial --checkpoint DIR --preset rlinf_pi05_libero --device cuda
+"""
+
+from __future__ import annotations
+
+import argparse
+import csv
+import dataclasses
+import random
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from phyai_gym.make import make_env, make_policy
+from policies.base import PolicyOutput
+from policies.pi05.inputs import ModelInputs
+from policies.pi05.policy import RolloutConfig
+from wrappers import PolicyVectorEnv
+
+
+@dataclass
+class Args:
+    seed: int = 1
+    """seed of the weights (random policies), the envs and the minibatch shuffle"""
+    threads: int | None = None
+    """torch CPU threads (None: torch's default)"""
+    device: str = "cpu"
+    """device of the rollout policy and the trainer"""
+    # Policy
+    config: str = "tiny"
+    """"tiny" or "base" (random weights, stand-in tokenizer) when --checkpoint is not given"""
+    checkpoint: str | None = None
+    """a PI0.5 checkpoint folder (its preset sets the prompt format and the action dims)"""
+    preset: str | None = None
+    """processor preset of the checkpoint"""
+    trainable: str = "expert"
+    """"expert" (action expert, projections, heads) or "all" """
+    method: str = "sde"
+    """rollout noise: "sde" (flow-SDE) or "noise" (learned noise head)"""
+    joint: bool = True
+    """every denoise step stochastic, log-prob over the whole chain (False: one random step j per env)"""
+    denoise_steps: int = 5
+    """K, Euler denoise steps of the rollout"""
+    noise_level: float = 1.0
+    """a, the flow-SDE noise level (1.0: the first step's noise is as large as x_0's, so exploration is credited)"""
+    action_chunk: int = 1
+    """C, env steps per policy call (one MDP step)"""
+    # Environment
+    env: str = "target"
+    """"target" (image + state task, target redrawn every episode) or any phyai_gym.make_env name"""
+    num_targets: int = 2
+    """target task: number of possible targets (best constant action succeeds ~1/k)"""
+    episode_length: int = 1
+    """target task: steps before truncation"""
+    num_envs: int = 32
+    """N, parallel envs"""
+    num_steps: int = 2
+    """T, policy calls per env per rollout"""
+    # Algorithm
+    total_iterations: int = 20
+    """PPO iterations (rollout + update + weight sync)"""
+    learning_rate: float = 3e-3
+    """Adam learning rate"""
+    anneal_lr: bool = False
+    """linearly anneal the learning rate to 0"""
+    gamma: float = 0.99
+    """discount per chunk"""
+    gae_lambda: float = 0.95
+    """GAE lambda"""
+    num_minibatches: int = 2
+    """minibatches per epoch"""
+    update_epochs: int = 4
+    """epochs over each rollout"""
+    norm_adv: bool = True
+    """normalise advantages per minibatch"""
+    clip_coef: float = 0.2
+    """surrogate clipping coefficient"""
+    clip_vloss: bool = True
+    """clip the value loss around the rollout values"""
+    ent_coef: float = 0.0
+    """entropy bonus (non-zero only for the learned-noise method)"""
+    vf_coef: float = 0.5
+    """value loss coefficient"""
+    max_grad_norm: float = 0.5
+    """gradient norm clip"""
+    target_kl: float | None = None
+    """stop the epochs of an update early above this approx-KL"""
+    # Reporting
+    eval_episodes: int = 256
+    """episodes of the final success-rate measurement (stochastic and deterministic)"""
+    csv: str | None = "ppo_curve.csv"
+    """learning curve CSV (None: do not write)"""
+    quiet: bool = False
+    """no per-iteration line"""
+
+    # Derived in __post_init__ (STYLE item 2).
+    batch_size: int = field(default=0, init=False)
+    """T * N samples per iteration"""
+    minibatch_size: int = field(default=0, init=False)
+    """batch_size // num_minibatches"""
+
+    def __post_init__(self) -> None:
+        self.batch_size = self.num_envs * self.num_steps
+        self.minibatch_size = self.batch_size // self.num_minibatches
+        if self.minibatch_size < 1:
+            raise ValueError(f"num_minibatches ({self.num_minibatches}) > batch_size ({self.batch_size}).")
+
+
+def parse_args(argv: list[str] | None = None) -> Args:
+    """Command-line flags, one per `Args` field (``--total-iterations 40``, ``--anneal-lr true``)."""
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    for f in dataclasses.fields(Args):
+        if not f.init:
+            continue
+        kind = {"int": int, "float": float, "bool": lambda s: s.lower() in ("1", "true", "yes")}.get(
+            str(f.type).split(" ")[0], str
+        )
+        parser.add_argument(f"--{f.name.replace('_', '-')}", type=kind, default=f.default)
+    return Args(**vars(parser.parse_args(argv)))
+
+
+def train(args: Args) -> dict:
+    """Runs PPO; returns the learning curve (one dict per iteration) and the final success rates."""
+    random.seed(args.seed)
+    np.random.seed(args.seed)
+    torch.manual_seed(args.seed)
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    device = torch.device(args.device)
+
+    # ---- env setup ---------------------------------------------------------------------------------
+    env_kwargs = (
+        {"num_targets": args.num_targets, "episode_length": args.episode_length} if args.env == "target" else {}
+    )
+    raw_env = make_env(args.env, args.num_envs, **env_kwargs)
+    action_dim = int(raw_env.single_action_space.shape[0])
+
+    # ---- policy setup: ROLLOUT policy (graphs on GPU) and TRAINER copy (eager) ----------------------
+    rollout_cfg = RolloutConfig(
+        method=args.method,
+        num_steps=args.denoise_steps,
+        joint=args.joint,
+        noise_level=args.noise_level,
+        action_chunk=args.action_chunk,
+        trainable=args.trainable,
+    )
+    policy_kwargs = dict(
+        preset=args.preset, config=args.config, action_dim=action_dim, device=args.device, seed=args.seed,
+        rollout=rollout_cfg, max_batch_size=args.num_envs,
+    )  # fmt: skip
+    if args.checkpoint is None:
+        policy_kwargs["prompt_format"] = "state"  # the state (the target) enters the prompt as bins
+    policy = make_policy(args.checkpoint, **policy_kwargs)
+    trainer_kwargs = {**policy_kwargs, "max_batch_size": args.minibatch_size, "cuda_graphs": False}
+    if args.config == "base" and device.type == "cuda":
+        trainer_kwargs["dtype"] = "float32"  # fp32 master weights; the sync casts to the rollout dtype
+    trainer = make_policy(args.checkpoint, **trainer_kwargs)
+    policy.sync_weights(trainer.model, expected="all")  # start from identical weights (version 1)
+    optimizer = torch.optim.Adam([p for _, p in trainer.trainable_parameters()], lr=args.learning_rate, eps=1e-5)
+    envs = PolicyVectorEnv(raw_env, policy, action_chunk=args.action_chunk)
+
+    # ---- storage: (T, N, ...) preallocated -------------------------------------------------------
+    T, N = args.num_steps, args.num_envs  # noqa: N806  (the math's names)
+    K, H, D = args.denoise_steps, policy.action_horizon, policy.config.action_dim  # noqa: N806
+    cams, S, L = len(policy.processor.slots), policy.config.vision.image_size, policy.config.max_token_len  # noqa: N806
+    log_probs = torch.zeros((T, N), device=device)
+    rewards = torch.zeros((T, N), device=device)
+    dones = torch.zeros((T, N), device=device)
+    values = torch.zeros((T, N), device=device)
+    chains = torch.zeros((T, N, K + 1, H, D), device=device)  # the sampled denoise path x_0 .. x_K
+    denoise_inds = torch.zeros((T, N, K), dtype=torch.int64, device=device)
+    images = torch.zeros((T, N, cams, 3, S, S), dtype=torch.uint8, device=device)
+    image_mask = torch.zeros((T, N, cams), dtype=torch.bool, device=device)
+    tokens = torch.zeros((T, N, L), dtype=torch.int32, device=device)
+    lengths = torch.zeros((T, N), dtype=torch.int32, device=device)
+
+    # ---- start the game ----------------------------------------------------------------------------
+    global_step = 0
+    start_time = time.perf_counter()
+    obs, _ = envs.reset(seed=args.seed)
+    curve: list[dict] = []
+    times = {"rollout": 0.0, "train": 0.0, "sync": 0.0}
+    for iteration in range(1, args.total_iterations + 1):
+        if args.anneal_lr:
+            optimizer.param_groups[0]["lr"] = (1.0 - (iteration - 1.0) / args.total_iterations) * args.learning_rate
+
+        # ---- rollout: T chunks per env with the rollout policy ---------------------------------------
+        t0 = time.perf_counter()
+        returns_done, successes = [], []
+        with torch.no_grad():
+            for step in range(T):
+                obs, reward, terminated, truncated, infos = envs.step()  # the policy acts on `obs`
+                out = envs.last_output
+                global_step += N * args.action_chunk
+                log_probs[step] = out.log_prob
+                values[step] = out.values
+                chains[step] = out.chains
+                denoise_inds[step] = out.denoise_inds
+                images[step], image_mask[step] = out.inputs.images, out.inputs.image_mask
+                tokens[step].zero_()
+                tokens[step, :, : out.inputs.tokens.shape[1]] = out.inputs.tokens
+                lengths[step] = out.inputs.lengths
+                # bootstrap truncations with V(final obs): r + gamma * V(s_T), then treat the step as done
+                final_value = infos["policy"]["final_value"].to(device)
+                trunc = torch.as_tensor(truncated, device=device) & ~torch.as_tensor(terminated, device=device)
+                rewards[step] = torch.as_tensor(reward, device=device).float() + args.gamma * final_value * trunc
+                dones[step] = torch.as_tensor(terminated | truncated, device=device).float()
+                if "episode" in infos:
+                    ended = np.asarray(infos["_episode"])
+                    returns_done += np.asarray(infos["episode"]["r"])[ended].tolist()
+                    successes += np.asarray(infos["episode"]["success_once"])[ended].tolist()
+            next_value = policy.value(obs).to(device)  # V(s_T) for the unfinished envs
+
+            # ---- GAE over chunk steps (explicit loop) ----------------------------------------------------
+            advantages = torch.zeros_like(rewards)
+            last_gae = torch.zeros(N, device=device)
+            for t in reversed(range(T)):
+                next_values = next_value if t == T - 1 else values[t + 1]
+                not_done = 1.0 - dones[t]
+                delta = rewards[t] + args.gamma * next_values * not_done - values[t]
+                advantages[t] = last_gae = delta + args.gamma * args.gae_lambda * not_done * last_gae
+            returns = advantages + values
+        times["rollout"] += (t_rollout := time.perf_counter() - t0)
+
+        # ---- flatten the batch ---------------------------------------------------------------------
+        b_log_probs, b_values = log_probs.reshape(-1), values.reshape(-1)
+        b_advantages, b_returns = advantages.reshape(-1), returns.reshape(-1)
+        b_chains, b_inds = chains.reshape(-1, K + 1, H, D), denoise_inds.reshape(-1, K)
+        used_len = int(lengths.max())
+        b_inputs = ModelInputs(
+            images=images.reshape(-1, cams, 3, S, S),
+            image_mask=image_mask.reshape(-1, cams),
+            slots=out.inputs.slots,
+            tokens=tokens.reshape(-1, L)[:, :used_len],
+            lengths=lengths.reshape(-1),
+        )
+
+        # ---- optimise policy and value network (the trainer copy) ------------------------------------
+        t0 = time.perf_counter()
+        b_idx = np.arange(args.batch_size)
+        clipfracs, approx_kl, first_kl = [], torch.zeros(()), None
+        for _epoch in range(args.update_epochs):
+            np.random.shuffle(b_idx)
+            for start in range(0, args.batch_size, args.minibatch_size):
+                mb = torch.as_tensor(b_idx[start : start + args.minibatch_size], device=device)
+                batch = PolicyOutput(
+                    actions=b_chains[mb, -1],
+                    log_prob=b_log_probs[mb],
+                    log_prob_elements=b_log_probs[mb, None, None],
+                    values=b_values[mb],
+                    chains=b_chains[mb],
+                    denoise_inds=b_inds[mb],
+                    inputs=b_inputs.select(mb),
+                    header=out.header,
+                )
+                new = trainer.evaluate(batch)  # differentiable log-probs and values
+                log_ratio = new.log_prob - b_log_probs[mb]
+                ratio = log_ratio.exp()
+                with torch.no_grad():
+                    approx_kl = ((ratio - 1) - log_ratio).mean()  # http://joschu.net/blog/kl-approx.html
+                    first_kl = approx_kl if first_kl is None else first_kl
+                    clipfracs.append(((ratio - 1.0).abs() > args.clip_coef).float().mean().item())
+
+                mb_adv = b_advantages[mb]
+                if args.norm_adv:
+                    mb_adv = (mb_adv - mb_adv.mean()) / (mb_adv.std() + 1e-8)
+
+                # clipped surrogate objective
+                pg_loss1 = -mb_adv * ratio
+                pg_loss2 = -mb_adv * torch.clamp(ratio, 1 - args.clip_coef, 1 + args.clip_coef)
+                pg_loss = torch.max(pg_loss1, pg_loss2).mean()
+
+                # value loss
+                new_value = new.values
+                if args.clip_vloss:
+                    v_loss_unclipped = (new_value - b_returns[mb]) ** 2
+                    v_clipped = b_values[mb] + torch.clamp(new_value - b_values[mb], -args.clip_coef, args.clip_coef)
+                    v_loss = 0.5 * torch.max(v_loss_unclipped, (v_clipped - b_returns[mb]) ** 2).mean()
+                else:
+                    v_loss = 0.5 * ((new_value - b_returns[mb]) ** 2).mean()
+
+                entropy_loss = new.entropy.mean()
+                loss = pg_loss - args.ent_coef * entropy_loss + v_loss * args.vf_coef
+
+                optimizer.zero_grad()
+                loss.backward()
+                torch.nn.utils.clip_grad_norm_([p for _, p in trainer.trainable_parameters()], args.max_grad_norm)
+                optimizer.step()
+
+            if args.target_kl is not None and approx_kl > args.target_kl:
+                break
+        times["train"] += (t_train := time.perf_counter() - t0)
+
+        # ---- weight sync: trainer -> rollout policy (in place, graphs stay valid) --------------------
+        t0 = time.perf_counter()
+        report = policy.sync_weights(trainer.model)
+        times["sync"] += (t_sync := time.perf_counter() - t0)
+
+        y_pred, y_true = b_values.cpu().numpy(), b_returns.cpu().numpy()
+        var_y = np.var(y_true)
+        explained_var = np.nan if var_y == 0 else 1 - np.var(y_true - y_pred) / var_y
+        row = {
+            "iteration": iteration,
+            "global_step": global_step,
+            "success_rate": float(np.mean(successes)) if successes else float("nan"),
+            "episodic_return": float(np.mean(returns_done)) if returns_done else float("nan"),
+            "episodes": len(successes),
+            "pg_loss": pg_loss.item(),
+            "v_loss": v_loss.item(),
+            "approx_kl": approx_kl.item(),
+            "approx_kl_first": float(first_kl),
+            "clipfrac": float(np.mean(clipfracs)),
+            "explained_variance": float(explained_var),
+            "sps": global_step / (time.perf_counter() - start_time),
+            "time_rollout": t_rollout,
+            "time_train": t_train,
+            "time_sync": t_sync,
+            "weight_version": report.version,
+        }
+        curve.append(row)
+        if not args.quiet:
+            print(
+                f"iter {iteration:3d} step {global_step:6d} success {row['success_rate']:.2f} "
+                f"return {row['episodic_return']:+.3f} kl {row['approx_kl']:.4f} (first {row['approx_kl_first']:.1e}) "
+                f"clipfrac {row['clipfrac']:.2f} ev {row['explained_variance']:+.2f} SPS {row['sps']:.0f} | "
+                f"rollout {t_rollout:.2f}s train {t_train:.2f}s sync {t_sync * 1e3:.1f}ms v{report.version}",
+                flush=True,
+            )
+
+    # ---- final success rates of the trained rollout policy ----------------------------------------
+    final = {
+        mode: success_rate(envs, args.eval_episodes, deterministic=mode == "deterministic", seed=args.seed + 10_000)
+        for mode in ("stochastic", "deterministic")
+    }
+    envs.close()
+    if args.csv:
+        Path(args.csv).parent.mkdir(parents=True, exist_ok=True)
+        with open(args.csv, "w", newline="") as handle:
+            writer = csv.DictWriter(handle, fieldnames=list(curve[0]))
+            writer.writeheader()
+            writer.writerows(curve)
+    total = sum(times.values())
+    print(
+        f"final success: stochastic {final['stochastic']:.3f}, deterministic {final['deterministic']:.3f} | "
+        f"time split: rollout {times['rollout'] / total:.0%}, training {times['train'] / total:.0%}, "
+        f"weight sync {times['sync'] / total:.1%} of {total:.1f}s"
+    )
+    return {"curve": curve, "final": final, "times": times}
+
+
+@torch.no_grad()
+def success_rate(envs: PolicyVectorEnv, episodes: int, *, deterministic: bool, seed: int) -> float:
+    """Fraction of the first `episodes` finished episodes that succeeded (policy acting as in the rollout)."""
+    previous, envs.deterministic = envs.deterministic, deterministic
+    envs.reset(seed=seed)
+    outcomes: list[bool] = []
+    while len(outcomes) < episodes:
+        _, _, _, _, infos = envs.step()
+        if "episode" in infos:
+            ended = np.asarray(infos["_episode"])
+            outcomes += np.asarray(infos["episode"]["success_once"])[ended].tolist()
+    envs.deterministic = previous
+    return float(np.mean(outcomes[:episodes]))
+
+
+if __name__ == "__main__":
+    train(parse_args())

@@ -1,0 +1,32 @@
+"""Quickstart: a tiny PI0.5 acting in a vector env through PolicyVectorEnv, without the CLI.
+
+python examples/quickstart.py            # offline: random weights, locally built stand-in tokenizer
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from phyai_gym import PolicyVectorEnv, make_env, make_policy
+
+# 1. A vector env with canonical observations (images, state, task); "Pusher-v5" or "libero_spatial" work too.
+env = make_env("target", num_envs=4)
+
+# 2. A PI0.5 policy: here tiny() with random weights (seed 0); make_policy("ckpt/", preset=...) loads one.
+policy = make_policy(action_dim=env.single_action_space.shape[0], prompt_format="state")
+
+# 3. The wrapper: one step() = one action chunk of C env steps, chosen by the policy.
+envs = PolicyVectorEnv(env, policy, action_chunk=1)
+obs, _ = envs.reset(seed=0)
+for step in range(3):
+    obs, reward, terminated, truncated, info = envs.step()  # step(None): the policy acts
+    out = info["policy"]  # (N, ...) tensors of the call that chose these actions
+    print(
+        f"step {step}: reward {np.round(reward, 3).tolist()} log-prob {np.round(out['log_prob'].numpy(), 2)} "
+        f"value {np.round(out['values'].numpy(), 3)} success {info.get('success', np.zeros(4, bool)).tolist()}"
+    )
+
+# 4. Weight sync: load new trainable weights into the running policy in place (a PPO trainer does this).
+report = envs.sync_weights(policy.model)
+print(f"weight version after sync: {report.version}")
+envs.close()

@@ -1,0 +1,388 @@
+"""Success-rate evaluation: a fixed episode plan, one JSONL row per finished episode, resumable.
+
+The plan is made up front: episode e of task t gets (task, initial-state id, seed), so the set of episodes
+does not depend on how fast each one ends (short episodes are not over-sampled). Every env slot runs one
+planned episode at a time and, when it ends, takes the next unassigned episode of its task; the env
+and the slot's policy stream are reset with the episode's seed, so an episode's outcome does not depend on
+the slot or the run that played it. Each finished
+episode is appended (and flushed) to ``episodes.jsonl`` at once, so an interrupted run resumes per
+episode: a restart reads the file, skips the finished ids and runs only the rest -- no repeats, no losses.
+The first line of the file is a header (checkpoint sha256, preset, C, episode limit, settle steps, seed,
+project commit); a restart with different settings is refused.
+"""
+
+from __future__ import annotations
+
+import csv
+import hashlib
+import json
+import math
+import subprocess
+import time
+from collections import deque
+from collections.abc import Callable, Sequence
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+
+from wrappers import PolicyVectorEnv
+
+EPISODES_FILE = "episodes.jsonl"
+RESULTS_FILE = "results.csv"
+HEADER_KEYS_CHECKED = ("env", "checkpoint_sha256", "preset", "action_chunk", "episode_limit", "seed", "deterministic")
+"""Header fields that must match for a restart to resume into an existing file."""
+
+
+@dataclass(frozen=True)
+class Episode:
+    """One planned episode.
+
+    Attributes:
+        episode_id: position in the plan (0-based); rows of the JSONL are keyed by it.
+        task: the task instruction the episode runs.
+        init_state_id: index of the initial state within the task (LIBERO's fixed initial states).
+        seed: env reset seed.
+    """
+
+    episode_id: int
+    task: str
+    init_state_id: int
+    seed: int
+
+
+def plan_episodes(tasks: Sequence[str], episodes_per_task: int, seed: int) -> list[Episode]:
+    """Episodes interleaved over tasks: id e runs task ``e % T``, initial state ``e // T``, seed ``seed + e``.
+
+    Example:
+        >>> [(e.task, e.init_state_id, e.seed) for e in plan_episodes(["a", "b"], 2, seed=10)]
+        [('a', 0, 10), ('b', 0, 11), ('a', 1, 12), ('b', 1, 13)]
+    """
+    n = len(tasks)
+    return [Episode(e, tasks[e % n], e // n, seed + e) for e in range(n * episodes_per_task)]
+
+
+def wilson_interval(successes: int, n: int, z: float = 1.959964) -> tuple[float, float]:
+    """Wilson score interval of a success rate (95 % by default); (0, 1) when n is 0.
+
+    Example:
+        >>> tuple(round(x, 3) for x in wilson_interval(8, 10))
+        (0.49, 0.943)
+    """
+    if n == 0:
+        return 0.0, 1.0
+    p = successes / n
+    denom = 1.0 + z * z / n
+    centre = (p + z * z / (2 * n)) / denom
+    half = z * math.sqrt(p * (1 - p) / n + z * z / (4 * n * n)) / denom
+    return max(0.0, centre - half), min(1.0, centre + half)
+
+
+def file_sha256(path: str | Path) -> str:
+    """Hex sha256 of a file, read in 16 MiB blocks."""
+    digest = hashlib.sha256()
+    with open(path, "rb") as handle:
+        for block in iter(lambda: handle.read(1 << 24), b""):
+            digest.update(block)
+    return digest.hexdigest()
+
+
+def project_commit() -> str:
+    """``git rev-parse HEAD`` of the project, or "unknown" outside a git checkout."""
+    try:
+        out = subprocess.run(
+            ["git", "rev-parse", "HEAD"],
+            cwd=Path(__file__).resolve().parent,
+            capture_output=True,
+            text=True,
+            timeout=10,
+        )
+    except (OSError, subprocess.SubprocessError):
+        return "unknown"
+    return out.stdout.strip() if out.returncode == 0 and out.stdout.strip() else "unknown"
+
+
+@dataclass
+class TaskResult:
+    """Success statistics of one task (or "overall").
+
+    Attributes:
+        task: the task instruction, or "overall".
+        episodes: finished episodes.
+        successes: of which succeeded.
+        success_rate: successes / episodes (nan without episodes).
+        ci_low: Wilson 95 % lower bound.
+        ci_high: Wilson 95 % upper bound.
+        mean_return: mean episode return.
+        mean_length: mean episode length in env steps.
+    """
+
+    task: str
+    episodes: int
+    successes: int
+    success_rate: float
+    ci_low: float
+    ci_high: float
+    mean_return: float
+    mean_length: float
+
+
+@dataclass
+class EvalResult:
+    """What `evaluate_success` returns.
+
+    Attributes:
+        header: the run header (also the first JSONL line).
+        rows: one dict per finished episode, sorted by episode id.
+        tasks: per-task results, in plan order.
+        overall: all episodes together.
+        complete: every planned episode has a row.
+        out_dir: where the JSONL/CSV went (None when not written).
+    """
+
+    header: dict[str, Any]
+    rows: list[dict[str, Any]]
+    tasks: list[TaskResult]
+    overall: TaskResult
+    complete: bool
+    out_dir: Path | None = None
+    videos: list[Path] = field(default_factory=list)
+
+
+def summarize(rows: Sequence[dict[str, Any]], tasks: Sequence[str]) -> tuple[list[TaskResult], TaskResult]:
+    """Per-task and overall `TaskResult`s of episode rows."""
+
+    def one(name: str, group: Sequence[dict[str, Any]]) -> TaskResult:
+        n, k = len(group), sum(bool(r["success"]) for r in group)
+        low, high = wilson_interval(k, n)
+        mean = lambda key: float(np.mean([r[key] for r in group])) if group else float("nan")
+        return TaskResult(name, n, k, k / n if n else float("nan"), low, high, mean("return"), mean("length"))
+
+    per_task = [one(t, [r for r in rows if r["task"] == t]) for t in tasks]
+    return per_task, one("overall", rows)
+
+
+def format_table(result: EvalResult) -> str:
+    """The results table as text (one line per task, then overall)."""
+    lines = [f"{'task':<48} {'episodes':>8} {'success':>8} {'95% CI (Wilson)':>17} {'return':>8} {'length':>7}"]
+    lines.append("-" * len(lines[0]))
+    for r in [*result.tasks, result.overall]:
+        name = r.task if len(r.task) <= 48 else r.task[:45] + "..."
+        lines.append(
+            f"{name:<48} {r.episodes:>8d} {r.success_rate:>8.3f} [{r.ci_low:>6.3f}, {r.ci_high:>6.3f}] "
+            f"{r.mean_return:>8.3f} {r.mean_length:>7.1f}"
+        )
+    return "\n".join(lines)
+
+
+def write_csv(result: EvalResult, path: Path) -> None:
+    """Per-task and overall results as CSV."""
+    with open(path, "w", newline="") as handle:
+        writer = csv.DictWriter(handle, fieldnames=list(asdict(result.overall)))
+        writer.writeheader()
+        for r in [*result.tasks, result.overall]:
+            writer.writerow(asdict(r))
+
+
+def read_jsonl(path: Path) -> tuple[dict[str, Any] | None, list[dict[str, Any]]]:
+    """(header, episode rows) of an episodes file; a torn last line (crash mid-write) is ignored."""
+    header, rows = None, []
+    if not path.exists():
+        return None, rows
+    for line in path.read_text().splitlines():
+        try:
+            item = json.loads(line)
+        except json.JSONDecodeError:
+            continue
+        if item.get("type") == "header":
+            header = item
+        elif item.get("type") == "episode":
+            rows.append(item)
+    return header, rows
+
+
+def _check_resume(old: dict[str, Any], new: dict[str, Any], path: Path) -> None:
+    diffs = [f"{k}: {old.get(k)!r} -> {new.get(k)!r}" for k in HEADER_KEYS_CHECKED if old.get(k) != new.get(k)]
+    if diffs:
+        raise ValueError(
+            f"{path} holds episodes of a different run ({'; '.join(diffs)}). Fix: use another --out folder, "
+            "or delete the file to start over."
+        )
+
+
+def evaluate_success(
+    env: PolicyVectorEnv,
+    episodes_per_task: int,
+    *,
+    header: dict[str, Any] | None = None,
+    out_dir: str | Path | None = None,
+    seed: int = 0,
+    init_state_option: bool = False,
+    max_episodes_this_run: int | None = None,
+    video_episodes: int = 0,
+    on_episode: Callable[[dict[str, Any]], None] | None = None,
+    progress: Any = None,
+) -> EvalResult:
+    """Runs the planned episodes on `env` and returns per-task and overall success rates.
+
+    Args:
+        env: the policy vector env (its ``deterministic`` flag decides the sampling).
+        episodes_per_task: episodes of every task the env's slots run.
+        header: run metadata for the JSONL header (seed and tasks are added).
+        out_dir: folder for ``episodes.jsonl``/``results.csv``/videos; an existing JSONL is resumed.
+        seed: base seed of the plan (episode e resets with ``seed + e``).
+        init_state_option: pass ``options={"init_state_id": ...}`` on resets (LIBERO's fixed initial states).
+        max_episodes_this_run: stop after this many new episodes (the rest resumes on the next call).
+        video_episodes: write an MP4 (one frame per chunk) of episodes with ids below this (needs imageio).
+        on_episode: called with every new row.
+        progress: a tqdm-like object with ``update(n)`` (optional).
+
+    Example:
+        >>> from phyai_gym.make import make_env
+        >>> from policies.baseline import GaussianPolicy
+        >>> env = PolicyVectorEnv(make_env("target", 2), GaussianPolicy(1, action_horizon=1), 1,
+        ...                       deterministic=True)
+        >>> result = evaluate_success(env, episodes_per_task=4)
+        >>> result.overall.episodes, result.complete
+        (4, True)
+    """
+    n = env.num_envs
+    obs, _ = env.reset(seed=seed)
+    slot_task = [str(t) for t in obs["task"]]
+    tasks = list(dict.fromkeys(slot_task))
+    plan = plan_episodes(tasks, episodes_per_task, seed)
+    header = {"type": "header", **(header or {}), "seed": seed, "tasks": tasks, "episodes_per_task": episodes_per_task}
+    out = Path(out_dir) if out_dir is not None else None
+    rows: list[dict[str, Any]] = []
+    handle = None
+    if out is not None:
+        out.mkdir(parents=True, exist_ok=True)
+        path = out / EPISODES_FILE
+        old_header, rows = read_jsonl(path)
+        if old_header is not None:
+            _check_resume(old_header, header, path)
+        handle = open(path, "a")  # noqa: SIM115  (kept open for the run, closed in `finally`)
+        if path.stat().st_size and not path.read_bytes().endswith(b"\n"):
+            handle.write("\n")  # a torn last line (crash mid-write) stays on its own line
+        if old_header is None:
+            handle.write(json.dumps({**header, "created": time.strftime("%Y-%m-%dT%H:%M:%S")}) + "\n")
+            handle.flush()
+    finished = {r["episode_id"] for r in rows}
+    queues = {t: deque(e for e in plan if e.task == t and e.episode_id not in finished) for t in tasks}
+    active: list[Episode | None] = [None] * n
+    frames: dict[int, list[np.ndarray]] = {}
+    new_rows = 0
+
+    def take(slot: int) -> Episode | None:
+        queue = queues[slot_task[slot]]
+        active[slot] = queue.popleft() if queue else None
+        return active[slot]
+
+    def reset_slot(slot: int, episode: Episode, reseed_stream: bool) -> None:
+        options: dict[str, Any] = {"reset_mask": np.arange(n) == slot}
+        if init_state_option:
+            options["init_state_id"] = episode.init_state_id
+        new_obs, _ = env.reset(seed=[episode.seed] * n, options=options)
+        if reseed_stream:  # the slot's policy stream restarts from the episode's seed (DESIGN C3)
+            _seed_stream(env.policy, slot, episode.seed, n)
+        if episode.episode_id < video_episodes:
+            frames[episode.episode_id] = [_frame(new_obs, slot)]
+
+    def start_all() -> None:
+        """First episodes: one full reset with the episodes' seeds (env and policy streams alike)."""
+        episodes = [take(slot) for slot in range(n)]
+        first_obs, _ = env.reset(seed=[e.seed if e is not None else seed + i for i, e in enumerate(episodes)])
+        for slot, episode in enumerate(episodes):
+            if episode is not None and init_state_option:
+                reset_slot(slot, episode, reseed_stream=False)
+            elif episode is not None and episode.episode_id < video_episodes:
+                frames[episode.episode_id] = [_frame(first_obs, slot)]
+
+    def start(slot: int) -> None:
+        episode = take(slot)
+        if episode is not None:
+            reset_slot(slot, episode, reseed_stream=True)
+
+    try:
+        start_all()
+        budget = math.inf if max_episodes_this_run is None else max_episodes_this_run
+        while any(a is not None for a in active) and new_rows < budget:
+            obs, _, _, _, infos = env.step()
+            ended = np.asarray(infos.get("_episode", np.zeros(n, bool)))
+            for slot in range(n):
+                episode = active[slot]
+                if episode is None:
+                    continue
+                if episode.episode_id in frames:
+                    frames[episode.episode_id].append(_frame(infos["final_obs"] if ended[slot] else obs, slot))
+                if not ended[slot] or new_rows >= budget:
+                    continue
+                stats = infos["episode"]
+                row = {
+                    "type": "episode",
+                    **asdict(episode),
+                    "success": bool(np.asarray(stats["success_once"])[slot]),
+                    "return": float(np.asarray(stats["r"])[slot]),
+                    "length": int(np.asarray(stats["l"])[slot]),
+                    "slot": slot,
+                }
+                rows.append(row)
+                new_rows += 1
+                if handle is not None:
+                    handle.write(json.dumps(row) + "\n")
+                    handle.flush()
+                if on_episode is not None:
+                    on_episode(row)
+                if progress is not None:
+                    progress.update(1)
+                start(slot)
+    finally:
+        if handle is not None:
+            handle.close()
+    rows.sort(key=lambda r: r["episode_id"])
+    per_task, overall = summarize(rows, tasks)
+    result = EvalResult(header, rows, per_task, overall, complete=len(rows) == len(plan), out_dir=out)
+    if out is not None:
+        write_csv(result, out / RESULTS_FILE)
+        result.videos = _write_videos(frames, out / "videos")
+    return result
+
+
+def _seed_stream(policy: Any, slot: int, seed: int, num_envs: int) -> None:
+    """Re-seed the policy stream of env `slot` (policies with a `streams` table; others are left alone)."""
+    streams = getattr(policy, "streams", None)
+    if streams is not None:
+        device = getattr(policy, "device", "cpu")
+        ids = torch.tensor([slot], dtype=torch.int64, device=device)
+        streams.set_seeds(ids, torch.tensor([seed], dtype=torch.int64, device=device), upper=num_envs)
+
+
+def _frame(obs: dict[str, Any], slot: int) -> np.ndarray:
+    image = next(iter(obs["images"].values()))[slot]
+    return np.asarray(image.cpu() if hasattr(image, "cpu") else image, dtype=np.uint8)
+
+
+def _write_videos(frames: dict[int, list[np.ndarray]], folder: Path) -> list[Path]:
+    """MP4s (one frame per chunk) of the recorded episodes; skipped with a message without imageio."""
+    if not frames:
+        return []
+    try:
+        import imageio.v2 as imageio
+    except ImportError:
+        print("videos skipped: imageio is not installed (pip install imageio imageio-ffmpeg)")
+        return []
+    folder.mkdir(parents=True, exist_ok=True)
+    paths = []
+    for episode_id, images in sorted(frames.items()):
+        path = folder / f"episode_{episode_id:05d}.mp4"
+        try:
+            with imageio.get_writer(path, fps=10, macro_block_size=1) as writer:
+                for image in images:
+                    writer.append_data(image)
+        except Exception as error:  # no ffmpeg backend
+            print(f"videos skipped: imageio could not write {path.name} ({error}); pip install imageio-ffmpeg")
+            return paths
+        paths.append(path)
+    return paths

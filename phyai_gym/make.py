@@ -1,0 +1,276 @@
+"""`make_env` and `make_policy`: one name (or checkpoint folder) in, a ready vector env or PI0.5 policy out.
+
+Env names: ``"scripted"`` and ``"target"`` (small test tasks), a Gymnasium MuJoCo id (``"Pusher-v5"``), a
+LIBERO suite (``"libero_spatial"``, ...) or a ManiSkill3 task id (``"PickCube-v1"``, ...). Simulator
+adapters are imported only when asked for; a missing simulator raises an `ImportError` naming the extra.
+
+Policies: ``make_policy()`` gives a tiny PI0.5 with random weights (fixed seed) and the locally built
+stand-in tokenizer, which needs no download; ``make_policy(checkpoint=DIR, preset=...)`` loads a checkpoint.
+"""
+
+from __future__ import annotations
+
+import importlib
+import re
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from gymnasium.vector import VectorEnv
+
+from policies.pi05.checkpoint import load_config
+from policies.pi05.config import Pi05Config
+from policies.pi05.policy import Pi05Policy, RolloutConfig
+from policies.pi05.presets import list_presets
+from policies.pi05.scheduler import SchedulerConfig
+
+TEST_ENVS: tuple[str, ...] = ("scripted", "target")
+"""Envs built in-process without a simulator."""
+LIBERO_PREFIX = "libero_"
+MODEL_FILE = "model.safetensors"
+_EXTRAS = {
+    "mujoco": "pip install 'phyai-gym[sim]' (gymnasium[mujoco])",
+    "libero": "pip install 'phyai-gym[libero]'",
+    "maniskill": "pip install 'phyai-gym[maniskill]'",
+}
+
+
+@dataclass(frozen=True)
+class EnvSpec:
+    """What an env name resolves to.
+
+    Attributes:
+        name: the name as given.
+        kind: "scripted", "target", "mujoco", "libero" or "maniskill".
+    """
+
+    name: str
+    kind: str
+
+
+def _mujoco_ids() -> list[str]:
+    import gymnasium as gym
+
+    return sorted(k for k, s in gym.registry.items() if "mujoco" in str(s.entry_point))
+
+
+def _maniskill_ids() -> list[str]:
+    from wrappers.adapters.maniskill import MANISKILL_INSTRUCTIONS
+
+    return sorted(MANISKILL_INSTRUCTIONS)
+
+
+def resolve_env(name: str) -> EnvSpec:
+    """Classify an env name; raises `ValueError` listing the accepted names for an unknown one.
+
+    Example:
+        >>> resolve_env("Pusher-v5").kind, resolve_env("libero_spatial").kind, resolve_env("target").kind
+        ('mujoco', 'libero', 'target')
+    """
+    if name in TEST_ENVS:
+        return EnvSpec(name, name)
+    if name.startswith(LIBERO_PREFIX):
+        return EnvSpec(name, "libero")
+    if name in _mujoco_ids():
+        return EnvSpec(name, "mujoco")
+    if name in _maniskill_ids() or _registered_maniskill(name):
+        return EnvSpec(name, "maniskill")
+    mujoco = ", ".join(i for i in _mujoco_ids() if i.endswith("-v5"))
+    raise ValueError(
+        f"unknown env {name!r}. Expected one of: {', '.join(TEST_ENVS)}; a Gymnasium MuJoCo id ({mujoco}); "
+        f"a LIBERO suite (libero_spatial, libero_object, libero_goal, libero_10, libero_90); or a ManiSkill3 "
+        f"task id ({', '.join(_maniskill_ids()[:6])}, ...)."
+    )
+
+
+def _registered_maniskill(name: str) -> bool:
+    """True when ManiSkill is installed and registers `name` (only tried for id-like names)."""
+    if not re.fullmatch(r"[A-Z][A-Za-z0-9]*-v\d+", name) or importlib.util.find_spec("mani_skill") is None:
+        return False
+    try:
+        import mani_skill.envs  # noqa: F401  (registers the ids)
+        from mani_skill.utils.registration import REGISTERED_ENVS
+    except Exception:  # a broken ManiSkill install is reported when the env is built
+        return False
+    return name in REGISTERED_ENVS
+
+
+def make_env(
+    name: str,
+    num_envs: int = 4,
+    *,
+    image_size: int | None = None,
+    max_episode_steps: int | None = None,
+    vectorization: str = "sync",
+    **kwargs: Any,
+) -> VectorEnv:
+    """A freezable vector env yielding canonical observations (DESIGN C1), from a name.
+
+    Args:
+        name: see the module docstring.
+        num_envs: N.
+        image_size: rendered image side (default: 224 for simulators, the test envs' own default otherwise).
+        max_episode_steps: override of the episode limit (None: the env's own).
+        vectorization: "sync" or "async".
+        **kwargs: passed to the adapter (e.g. ``num_targets`` for "target", ``task_ids`` for LIBERO).
+
+    Raises:
+        ValueError: unknown name (the message lists the accepted ones).
+        ImportError: the simulator is not installed (the message names the extra).
+
+    Example:
+        >>> venv = make_env("target", num_envs=2)
+        >>> venv.num_envs
+        2
+        >>> venv.close()
+    """
+    spec = resolve_env(name)
+    size = {} if image_size is None else {"image_size": image_size}
+    if spec.kind == "scripted":
+        from wrappers.adapters.scripted import make_scripted_env
+
+        kwargs.setdefault("episode_lengths", (max_episode_steps or 7,))
+        return make_scripted_env(num_envs, vectorization=vectorization, **size, **kwargs)  # type: ignore[arg-type]
+    if spec.kind == "target":
+        from wrappers.adapters.target_task import make_target_env
+
+        if max_episode_steps is not None:
+            kwargs["episode_length"] = max_episode_steps
+        return make_target_env(num_envs, vectorization=vectorization, **size, **kwargs)  # type: ignore[arg-type]
+    limit = {} if max_episode_steps is None else {"max_episode_steps": max_episode_steps}
+    if spec.kind == "mujoco":
+        try:
+            import mujoco  # noqa: F401
+        except ImportError as error:
+            raise ImportError(f"env {name!r} needs MuJoCo ({error}). Fix: {_EXTRAS['mujoco']}.") from error
+        from wrappers.adapters.mujoco import make_mujoco_env
+
+        return make_mujoco_env(name, num_envs=num_envs, vectorization=vectorization, **size, **limit, **kwargs)  # type: ignore[arg-type]
+    adapter = "libero" if spec.kind == "libero" else "maniskill"
+    try:
+        module = importlib.import_module(f"wrappers.adapters.{adapter}")
+    except ImportError as error:
+        raise ImportError(f"env {name!r} needs {adapter} ({error}). Fix: {_EXTRAS[adapter]}.") from error
+    if spec.kind == "libero":
+        return module.make_libero_env(name, num_envs=num_envs, vectorization=vectorization, **size, **limit, **kwargs)
+    return module.make_maniskill_env(name, num_envs=num_envs, **size, **limit, **kwargs)
+
+
+def standin_tokenizer() -> Path:
+    """Folder of the locally built stand-in PaliGemma tokenizer (built on first use, about 0.5 s, offline)."""
+    from policies.pi05.tokenizer import build_standin_tokenizer, default_standin_dir
+
+    return build_standin_tokenizer(default_standin_dir())
+
+
+def check_checkpoint(path: str | Path) -> Path:
+    """The checkpoint folder, or a `FileNotFoundError` saying what is missing and how to get one."""
+    root = Path(path).expanduser()
+    if not root.is_dir():
+        raise FileNotFoundError(
+            f"--checkpoint {str(path)!r}: no such folder. Fix: pass a folder with config.json and "
+            f"{MODEL_FILE} (e.g. one written by Pi05Policy.save_pretrained or a LeRobot/openpi PyTorch export)."
+        )
+    if not (root / MODEL_FILE).is_file() and not any(root.glob("*.safetensors")):
+        raise FileNotFoundError(
+            f"--checkpoint {str(path)!r}: the folder has no {MODEL_FILE} "
+            f"(found {sorted(p.name for p in root.iterdir())[:8]}). "
+            "Fix: point at the folder that holds the safetensors weights."
+        )
+    return root
+
+
+def check_preset(preset: str | None) -> str | None:
+    """`preset`, or a `ValueError` listing the known presets."""
+    known = list_presets()
+    if preset is not None and preset not in known:
+        raise ValueError(f"--preset {preset!r} is unknown; choose one of: {', '.join(known)}.")
+    return preset
+
+
+def make_policy(
+    checkpoint: str | Path | None = None,
+    *,
+    preset: str | None = None,
+    config: str | Pi05Config = "tiny",
+    action_dim: int = 7,
+    camera_map: dict[str, str] | None = None,
+    device: str = "cpu",
+    dtype: str | None = None,
+    seed: int = 0,
+    rollout: RolloutConfig | None = None,
+    max_batch_size: int = 64,
+    cuda_graphs: bool = True,
+    **processor_kwargs: Any,
+) -> Pi05Policy:
+    """A PI0.5 policy: loaded from `checkpoint`, or with random weights when `checkpoint` is None.
+
+    Args:
+        checkpoint: a safetensors checkpoint folder; None builds `config` with weights randomised by `seed`
+            and the local stand-in tokenizer (no download).
+        preset: processor conventions (`policies.pi05.presets`); required by checkpoints it cannot infer.
+        config: "tiny", "base" or a `Pi05Config` (random policies only).
+        action_dim: env action dims A (random policies; a checkpoint's preset fixes it).
+        camera_map: env camera -> model slot (random policies; default ``{"image": "base_0_rgb"}``).
+        device: torch device.
+        dtype: compute dtype override.
+        seed: weight seed of a random policy.
+        rollout: rollout settings (None: the checkpoint's or the defaults).
+        max_batch_size: largest batch one scheduler replay serves.
+        cuda_graphs: capture CUDA graphs on a GPU (False: eager, e.g. for a trainer copy).
+        **processor_kwargs: `ProcessorConfig` overrides of a random policy (e.g. ``prompt_format="state"``).
+
+    Example:
+        >>> policy = make_policy(action_dim=1)
+        >>> policy.action_dim, policy.config.llm.width
+        (1, 64)
+    """
+    check_preset(preset)
+    if checkpoint is not None:
+        root = check_checkpoint(checkpoint)
+        if cuda_graphs:
+            return Pi05Policy.from_pretrained(
+                root, preset=preset, device=device, dtype=dtype, max_batch_size=max_batch_size, rollout=rollout
+            )
+        return _eager_from_pretrained(root, preset, device, dtype, max_batch_size, rollout)
+    if isinstance(config, str):
+        if config not in ("tiny", "base"):
+            raise ValueError(f"config: expected 'tiny', 'base' or a Pi05Config, got {config!r}.")
+        config = Pi05Config.tiny() if config == "tiny" else Pi05Config.pi05_base()
+    if rollout is None:
+        rollout = RolloutConfig(num_steps=config.num_steps, action_chunk=min(5, config.action_horizon))
+    processor_kwargs.setdefault("camera_map", camera_map or {"image": "base_0_rgb"})
+    if preset is None:
+        processor_kwargs.setdefault("norm_mode", "identity")
+    from policies.pi05.processor import Pi05Processor
+
+    processor = Pi05Processor.for_config(
+        config, action_dim=action_dim, device=device, tokenizer=standin_tokenizer(), preset=preset, **processor_kwargs
+    )
+    scheduler = SchedulerConfig(
+        max_batch_size=max_batch_size,
+        num_steps=(rollout.num_steps,),
+        camera_sets=(tuple(processor.slots),),
+        prompt_buckets=processor.prompt_buckets,
+        cuda_graphs=cuda_graphs,
+    )
+    return Pi05Policy.from_config(
+        config, processor, device=device, dtype=dtype, seed=seed, rollout=rollout, scheduler=scheduler
+    )
+
+
+def _eager_from_pretrained(
+    root: Path, preset: str | None, device: str, dtype: str | None, max_batch_size: int, rollout: RolloutConfig | None
+) -> Pi05Policy:
+    """`Pi05Policy.from_pretrained` with a scheduler that never captures CUDA graphs (a trainer copy)."""
+    from policies.pi05.processor import Pi05Processor
+
+    slots = tuple(Pi05Processor.from_pretrained(root, preset=preset, device="cpu").slots)
+    num_steps = rollout.num_steps if rollout is not None else load_config(root).num_steps
+    scheduler = SchedulerConfig(
+        max_batch_size=max_batch_size, num_steps=(num_steps,), camera_sets=(slots,), cuda_graphs=False
+    )
+    return Pi05Policy.from_pretrained(
+        root, preset=preset, device=device, dtype=dtype, max_batch_size=max_batch_size, rollout=rollout,
+        scheduler=scheduler,
+    )  # fmt: skip

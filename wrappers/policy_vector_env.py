@@ -20,6 +20,7 @@ Info keys of a step (``(N, ...)`` arrays of the env's array type unless noted; e
 
 from __future__ import annotations
 
+import multiprocessing.connection
 from collections.abc import Callable, Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
@@ -111,6 +112,7 @@ class PolicyVectorEnv(VectorWrapper):
         self._pool = ThreadPoolExecutor(len(envs), "pve-group") if len(envs) > 1 else None
         self._pending_seeds: torch.Tensor | None = None
         self._is_closed = False
+        self._workers_broken = False
         self._ready = False
         self.last_output: PolicyOutput | None = None
         """The policy output of the latest `step(None)` (all groups concatenated)."""
@@ -241,7 +243,11 @@ class PolicyVectorEnv(VectorWrapper):
             raise RuntimeError("PolicyVectorEnv.step: call reset() before step().")
         if actions is not None:
             actions = self._check_actions(actions)
-        results, outputs = self._run_groups(actions)
+        try:
+            results, outputs = self._run_groups(actions)
+        except (BrokenPipeError, EOFError, ConnectionResetError) as err:
+            self._workers_broken = True
+            raise self._worker_died("step", err) from err
         return self._assemble(results, outputs)
 
     def sync_weights(self, *args: Any, **kwargs: Any) -> Any:
@@ -259,11 +265,17 @@ class PolicyVectorEnv(VectorWrapper):
         """Closes every group's env; later calls to step()/reset() raise."""
         if self._is_closed:
             return
+        self._is_closed = True
         if self._pool is not None:
             self._pool.shutdown(wait=True)
         for runner in self._runners:
-            runner.env.close(**kwargs)
-        self._is_closed = True
+            if self._workers_broken or _dead_workers(runner.env):
+                _terminate_workers(runner.env)  # gymnasium's close() would wait on the dead pipe forever
+                continue
+            try:
+                runner.env.close(**kwargs)
+            except (BrokenPipeError, EOFError, ConnectionResetError):
+                _terminate_workers(runner.env)
 
     @property
     def closed(self) -> bool:
@@ -275,6 +287,16 @@ class PolicyVectorEnv(VectorWrapper):
         self._is_closed = value
 
     # ------------------------------------------------------------------------------------------ internals
+    def _worker_died(self, method: str, err: BaseException) -> RuntimeError:
+        """A clear error for a broken pipe to an async sub-env worker (the worker process died)."""
+        dead = [f"sub-env {r.offset + i} ({what})" for r in self._runners for i, what in _dead_workers(r.env, 1.0)]
+        return RuntimeError(
+            f"PolicyVectorEnv.{method}: a worker process of the async vector env died ({type(err).__name__}: "
+            f"{err}); expected every worker alive, got dead: {dead or 'unknown (a pipe broke)'}. The episode "
+            "state is lost. Fix: close() this wrapper (it terminates the remaining workers) and build a new env; "
+            "exit code -9 (SIGKILL) usually means the out-of-memory killer."
+        )
+
     def _check_actions(self, actions: Any) -> Any:
         shape = tuple(actions.shape) if hasattr(actions, "shape") else np.shape(actions)
         expected = (self.num_envs, self.action_chunk, self.action_dim)
@@ -396,6 +418,39 @@ class PolicyVectorEnv(VectorWrapper):
         success_any = torch.cat([zeros(r) if r.success_any is None else r.success_any for r in results])
         success_end = torch.cat([zeros(r) if r.success_end is None else r.success_end for r in results])
         return success_any, success_end
+
+
+def _dead_workers(env: VectorEnv, wait_s: float = 0.0) -> list[tuple[int, str]]:
+    """(index, "pid P, exit code E") of the exited worker processes of an async vector env (none for others).
+
+    `wait_s` bounds a wait for any worker to exit (a killed worker's pipe may report EOF a moment before the
+    process can be reaped).
+    """
+    processes = getattr(env, "processes", None) or []
+    live = [p.sentinel for p in processes if p.exitcode is None]
+    if wait_s > 0 and live:
+        multiprocessing.connection.wait(live, timeout=wait_s)
+    return [(i, f"pid {p.pid}, exit code {p.exitcode}") for i, p in enumerate(processes) if p.exitcode is not None]
+
+
+def _terminate_workers(env: VectorEnv, timeout_s: float = 10.0) -> None:
+    """Closes an async vector env whose pipes are broken: terminate live workers, close pipes, mark closed.
+
+    Uses AsyncVectorEnv's public ``processes``/``parent_pipes`` attributes; its own ``close()`` would wait
+    for a reply from the dead worker.
+    """
+    for process in getattr(env, "processes", None) or []:
+        if process.is_alive():
+            process.terminate()
+    for process in getattr(env, "processes", None) or []:
+        process.join(timeout_s)
+        if process.is_alive():
+            process.kill()
+            process.join(timeout_s)
+    for pipe in getattr(env, "parent_pipes", None) or []:
+        if pipe is not None:
+            pipe.close()
+    env.closed = True
 
 
 def _concat_outputs(outputs: list[PolicyOutput]) -> PolicyOutput:

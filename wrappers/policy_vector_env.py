@@ -388,7 +388,8 @@ class PolicyVectorEnv(VectorWrapper):
             self.last_output = _concat_outputs(outputs)
             policy_info = self.last_output.as_info()
         policy_info["final_value"] = torch.cat([self._final_values(r, g) for r, g in zip(results, self._runners)])
-        infos.update(policy=policy_info, _policy=torch.ones(self.num_envs, dtype=torch.bool, device=self.policy.device))
+        # The mask lives with the env's arrays (numpy envs get a numpy mask); the dict stays on the policy device.
+        infos.update(policy=policy_info, _policy=torch.ones_like(done))
         infos.update(final_obs=concat([r.final_obs for r in results]), _final_obs=done)
         infos.update(final_info=_concat_infos([r.final_info for r in results], [len(r.done) for r in results]))
         infos["_final_info"] = done

@@ -74,12 +74,26 @@ def _pil_bilinear_coeffs(in_size: int, out_size: int) -> tuple[tuple[int, ...], 
     return tuple(starts), fixed
 
 
+_COEFF_TENSORS: dict[tuple[int, int, str], tuple[torch.Tensor, torch.Tensor]] = {}
+
+
+def _coeff_tensors(in_size: int, out_size: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+    """Device tensors of `_pil_bilinear_coeffs`, built once per (sizes, device): no copy on the step path."""
+    key = (in_size, out_size, str(device))
+    cached = _COEFF_TENSORS.get(key)
+    if cached is None:
+        starts, fixed = _pil_bilinear_coeffs(in_size, out_size)
+        cached = _COEFF_TENSORS[key] = (
+            torch.tensor(starts, dtype=torch.int64, device=device),
+            torch.tensor(fixed, dtype=torch.int32, device=device),
+        )
+    return cached
+
+
 def _antialias_pass(x: torch.Tensor, out_size: int, dim: int) -> torch.Tensor:
     """One PIL-style 1-D resampling pass of uint8 (B, H, W, 3) `x` along `dim` (2 = width, 1 = height)."""
     in_size = x.shape[dim]
-    starts, fixed = _pil_bilinear_coeffs(in_size, out_size)
-    start_t = torch.tensor(starts, dtype=torch.int64, device=x.device)
-    weights = torch.tensor(fixed, dtype=torch.int32, device=x.device)  # (out, taps)
+    start_t, weights = _coeff_tensors(in_size, out_size, x.device)  # (out,), (out, taps)
     shape = [1] * x.ndim
     shape[dim] = out_size
     acc: torch.Tensor | None = None

@@ -137,8 +137,13 @@ class Pi05Model(nn.Module):
         """Derived [q;k;v] and [gate;up] weights of every expert layer for the no-grad rollout path.
 
         Three GEMMs become one and RoPE runs once for q and k, per layer and denoise step. The copies live in
-        fixed storage; `refresh_fused_expert()` rewrites them in place after a weight update.
+        fixed storage; `refresh_fused_expert()` rewrites them in place after a weight update. Building again
+        (a second scheduler on the same model) refreshes the existing copies instead of replacing them, since
+        graphs captured by the first scheduler read that storage.
         """
+        if self.fused_expert is not None:  # shared by every scheduler of this model: captured graphs hold them
+            self.refresh_fused_expert()
+            return
         with torch.no_grad():
             self.fused_expert = [
                 (layer.self_attn.fused_weight(), layer.mlp.fused_weight()) for layer in self.expert.layers

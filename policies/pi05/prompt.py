@@ -54,8 +54,11 @@ def clean_task(task: str) -> str:
 
 
 def state_bin_edges(device: torch.device | str = "cpu", dtype: torch.dtype = torch.float32) -> torch.Tensor:
-    """The 256 left bin edges ``linspace(-1, 1, 257)[:-1]`` (exact in float32: multiples of 1/128)."""
-    return torch.linspace(-1.0, 1.0, NUM_BINS + 1, dtype=torch.float64)[:-1].to(device=device, dtype=dtype)
+    """The 256 left bin edges ``linspace(-1, 1, 257)[:-1]`` (exact in float32: multiples of 1/128).
+
+    Computed on `device` itself (no host-to-device copy on the step path).
+    """
+    return torch.linspace(-1.0, 1.0, NUM_BINS + 1, dtype=torch.float64, device=device)[:-1].to(dtype)
 
 
 def discretize_state(state: torch.Tensor) -> torch.Tensor:
@@ -257,12 +260,33 @@ class PromptBuilder:
                 stacklevel=3,
             )
 
+    def _row_index(self, rows: list[int]) -> torch.Tensor:
+        """Device index of task-table rows, cached per row tuple.
+
+        A repeated batch of tasks (the usual case in a rollout) then costs no host-to-device copy.
+        """
+        cache = self.__dict__.setdefault("_row_index_cache", {})
+        key = tuple(rows)
+        index = cache.get(key)
+        if index is None:
+            if len(cache) >= 256:
+                cache.clear()
+            index = cache[key] = torch.tensor(rows, dtype=torch.int64).to(self.device)
+        return index
+
+    def _tail_ids(self) -> torch.Tensor:
+        """The state prompt's tail token ids on the device (built once)."""
+        tail = self.__dict__.get("_tail_dev")
+        if tail is None:
+            tail = self.__dict__["_tail_dev"] = torch.tensor(self._tail, dtype=torch.int32, device=self.device)
+        return tail
+
     def _task_only(self, rows: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
         longest = max(self._task_len[r] for r in rows)
         length = self.bucket_for(longest)
         if longest > length:
             self._warn_truncated(longest)
-        index = torch.tensor(rows, dtype=torch.int64).to(self.device, non_blocking=True)
+        index = self._row_index(rows)
         ids = self._task_ids.index_select(0, index)
         width = ids.shape[1]
         tokens = ids[:, :length] if width >= length else torch.nn.functional.pad(ids, (0, length - width))
@@ -275,7 +299,7 @@ class PromptBuilder:
         upper = max(self._task_len[r] for r in rows) + s * self.max_bin_len + len(self._tail)
         length = self.bucket_for(upper)
         dev = self.device
-        index = torch.tensor(rows, dtype=torch.int64).to(dev, non_blocking=True)
+        index = self._row_index(rows)
         head_ids = self._task_ids.index_select(0, index)  # (N, P)
         head_len = self._task_len_dev.index_select(0, index).to(torch.int64)  # (N,)
         bins = discretize_state(state) + 1  # (N, S) in [0, 256]
@@ -290,7 +314,7 @@ class PromptBuilder:
         k = torch.arange(self.max_bin_len, device=dev)
         bin_pos = (ends - bin_len)[..., None] + k  # (N, S, Tb)
         bin_pos = torch.where(k < bin_len[..., None], bin_pos, trash).reshape(n, -1)
-        tail_ids = torch.tensor(self._tail, dtype=torch.int32, device=dev).expand(n, -1)
+        tail_ids = self._tail_ids().expand(n, -1)
         tail_pos = tail_start[:, None] + torch.arange(len(self._tail), device=dev)
         pos = torch.cat([head_pos, bin_pos, tail_pos], dim=1).clamp_(max=trash)
         ids = torch.cat([head_ids, bin_ids.reshape(n, -1), tail_ids], dim=1)

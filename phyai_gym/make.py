@@ -236,7 +236,8 @@ def make_policy(
     if isinstance(config, str):
         if config not in ("tiny", "base"):
             raise ValueError(f"config: expected 'tiny', 'base' or a Pi05Config, got {config!r}.")
-        config = Pi05Config.tiny() if config == "tiny" else Pi05Config.pi05_base()
+        # tiny: a 128-token prompt holds the state-in-prompt format of a 23-dim MuJoCo state without truncation
+        config = Pi05Config.tiny(max_token_len=128) if config == "tiny" else Pi05Config.pi05_base()
     if rollout is None:
         rollout = RolloutConfig(num_steps=config.num_steps, action_chunk=min(5, config.action_horizon))
     processor_kwargs.setdefault("camera_map", camera_map or {"image": "base_0_rgb"})

@@ -149,6 +149,18 @@ class Pi05Model(nn.Module):
                 (layer.self_attn.fused_weight(), layer.mlp.fused_weight()) for layer in self.expert.layers
             ]
 
+    def _fused_usable(self, x: torch.Tensor) -> bool:
+        """The fused copies serve a no-grad call while they match the live weights' dtype and device.
+
+        After `model.to(...)`/`.double()` they no longer do (they are plain tensors, not converted), and the
+        unfused weights are used until `build_fused_expert()` runs again.
+        """
+        if self.fused_expert is None or torch.is_grad_enabled():
+            return False
+        qkv = self.fused_expert[0][0]
+        weight = self.expert.layers[0].self_attn.q_proj.weight
+        return qkv.dtype == weight.dtype == x.dtype and qkv.device == weight.device
+
     def refresh_fused_expert(self) -> None:
         """Rewrite the fused copies in place from the current parameters (captured graphs stay valid)."""
         if self.fused_expert is None:
@@ -218,8 +230,14 @@ class Pi05Model(nn.Module):
         """(B, We) condition -> one (scale, shift, gate) per adaRMS norm (2 per layer, then the final norm)."""
         return [norm.modulation(cond) for norm in self.expert.adaptive_norms()]
 
-    def expert_step(self, cache: PrefixCache, x_t: torch.Tensor, mods: list[Modulation]) -> torch.Tensor:
-        """One expert pass at the noisy actions x_t (B, H, D) -> final-norm output (B, H, We) float32."""
+    def expert_step(
+        self, cache: PrefixCache, x_t: torch.Tensor, mods: list[Modulation], use_fused: bool = False
+    ) -> torch.Tensor:
+        """One expert pass at the noisy actions x_t (B, H, D) -> final-norm output (B, H, We) float32.
+
+        `use_fused` reads the fused [q;k;v] / [gate;up] copies (the scheduler's rollout path, which refreshes them
+        with its tables after every weight commit); every other caller reads the parameters themselves.
+        """
         cfg = self.config.expert
         b, h, _ = x_t.shape
         x = self.action_in_proj(x_t.to(upcast_dtype(self.action_in_proj.weight.dtype))).to(self.compute_dtype)
@@ -231,7 +249,7 @@ class Pi05Model(nn.Module):
         cos, sin = cache.suffix_rope
         key_mask = cache.suffix_mask
         scale = cfg.head_dim**-0.5
-        use_fused = self.fused_expert is not None and not torch.is_grad_enabled()
+        use_fused = use_fused and self._fused_usable(x)
         for i, layer in enumerate(self.expert.layers):
             fused_qkv, fused_mlp = self.fused_expert[i] if use_fused else (None, None)  # type: ignore[index]
             hidden, gate = layer.input_layernorm(x, mods[2 * i])

@@ -113,7 +113,7 @@ def run_denoise_stage(
     """K unrolled expert steps with the rollout math; values from the prefix or the pooled suffix."""
 
     def velocity_fn(x: torch.Tensor, i: int):
-        out = model.expert_step(cache, x, tables.step_mods(i))
+        out = model.expert_step(cache, x, tables.step_mods(i), use_fused=True)
         return model.velocity(out), out
 
     value_fn = None

@@ -8,16 +8,27 @@ One row per (subset, source): host wall time from `begin_weight_update` to the c
     python benchmarks/bench_weight_sync.py --config base --out benchmarks/results/weight_sync.jsonl
 
 `run(out_path, config_name)` is the entry point `benchmarks/gpu_suite.py` calls.
+
+`--host-overhead` isolates the host (Python) cost of a sync on CPU: a model with pi05_base's number and names
+of tensors (LM / expert depth 18, SigLIP depth 27: 825 parameters, 222 trainable) but tiny sizes, so the
+copies cost next to nothing and what is timed is begin + update + finish (validation, staging, commit,
+table refresh). `--save-baseline FILE` stores the p50s; a later run with `--baseline FILE` reports them as
+`p50_ms_before` beside this run's `p50_ms_after`:
+
+    python benchmarks/bench_weight_sync.py --host-overhead --save-baseline /tmp/before.json   # old code
+    python benchmarks/bench_weight_sync.py --host-overhead --baseline /tmp/before.json        # new code
 """
 
 from __future__ import annotations
 
 import argparse
+import copy
 import json
 import os
 import statistics
 import subprocess
 import time
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -189,13 +200,94 @@ def run(out_path: str | Path, config_name: str = "base", iters: int = 10) -> lis
     return rows
 
 
+def host_overhead_config() -> Pi05Config:
+    """pi05_base's tensor count and names (depths 18 / 18 / 27) at tiny sizes (a 1,024-row vocabulary)."""
+    tiny = Pi05Config.tiny()
+    return Pi05Config.tiny(
+        vision=replace(tiny.vision, depth=27),
+        llm=replace(tiny.llm, depth=18),
+        expert=replace(tiny.expert, depth=18),
+        vocab_size=1024,
+    )
+
+
+def run_host_overhead(
+    out_path: str | Path | None, iters: int = 20, baseline: dict[str, float] | None = None
+) -> tuple[list[dict[str, Any]], dict[str, float]]:
+    """Host time of begin + update + finish on CPU for every (subset, source); returns (rows, p50 by label)."""
+    torch.manual_seed(0)
+    config = host_overhead_config()
+    model = Pi05Model(config)
+    slots = tuple(range(len(config.camera_slots)))
+    sched = SchedulerConfig(max_batch_size=1, num_steps=(config.num_steps,), camera_sets=(slots,), prompt_buckets=(16,))
+    rollout = RolloutConfig(num_steps=config.num_steps, action_chunk=min(5, config.action_horizon))
+    policy = Pi05Policy(model, _Processor(slots), rollout, sched)
+    trainer = copy.deepcopy(policy.model)
+    device = torch.device("cpu")
+    meta = {
+        "bench": "weight_sync_host_overhead",
+        "device": "cpu",
+        "torch": torch.__version__,
+        "commit": _git_commit(),
+        "threads": torch.get_num_threads(),
+        "iters": iters,
+    }
+    rows: list[dict[str, Any]] = []
+    p50s: dict[str, float] = {}
+    for subset, expected in (("expert", "trainable"), ("all", "all")):
+        params = dict(policy.trainable_parameters()) if subset == "expert" else dict(policy.model.named_parameters())
+        detached = {n: p.detach() for n, p in params.items()}
+        sources: dict[str, Any] = {
+            "module": trainer,
+            "state_dict": {n: t.clone() for n, t in detached.items()},
+            "flat_host": _flat_copy(detached, "cpu", pin=False),  # what a pinned-host source looks like on CPU
+        }
+        for source_name, source in sources.items():
+            label = f"{subset}/{source_name}"
+            times = _time_ms(lambda s=source, e=expected: policy.sync_weights(s, expected=e), device, iters, warmup=3)
+            p50 = statistics.median(times)
+            p50s[label] = p50
+            row = {
+                **meta,
+                "label": label,
+                "tensors": len(params),
+                "p50_ms_after": round(p50, 3),
+                "p90_ms_after": round(sorted(times)[int(0.9 * (len(times) - 1))], 3),
+            }
+            if baseline is not None and label in baseline:
+                row["p50_ms_before"] = round(baseline[label], 3)
+                row["speedup"] = round(baseline[label] / p50, 2)
+            rows.append(row)
+    policy.close()
+    if out_path is not None:
+        out = Path(out_path)
+        out.parent.mkdir(parents=True, exist_ok=True)
+        with out.open("a") as handle:
+            for row in rows:
+                handle.write(json.dumps(row) + "\n")
+    return rows, p50s
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--config", choices=("tiny", "base"), default="base")
-    parser.add_argument("--out", default="benchmarks/results/weight_sync.jsonl")
-    parser.add_argument("--iters", type=int, default=10)
+    parser.add_argument("--out", default=None, help="JSONL to append to (default per mode)")
+    parser.add_argument("--iters", type=int, default=None)
+    parser.add_argument("--host-overhead", action="store_true", help="CPU host-overhead mode (see the docstring)")
+    parser.add_argument("--baseline", default=None, help="--host-overhead: JSON of p50s to report as 'before'")
+    parser.add_argument("--save-baseline", default=None, help="--host-overhead: write this run's p50s here")
     args = parser.parse_args()
-    for row in run(args.out, args.config, args.iters):
+    if args.host_overhead:
+        torch.set_num_threads(1)
+        baseline = json.loads(Path(args.baseline).read_text()) if args.baseline else None
+        out = None if args.save_baseline else (args.out or "benchmarks/results/weight_sync_host_cpu.jsonl")
+        rows, p50s = run_host_overhead(out, args.iters or 20, baseline)
+        if args.save_baseline:
+            Path(args.save_baseline).write_text(json.dumps(p50s))
+        for row in rows:
+            print(json.dumps(row))
+        return
+    for row in run(args.out or "benchmarks/results/weight_sync.jsonl", args.config, args.iters or 10):
         print(json.dumps(row))
 
 

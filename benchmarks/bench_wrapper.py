@@ -9,13 +9,16 @@
    <= 10 %). The four measurements are interleaved round-robin so that load changes hit all of them alike. This
    part never imports mujoco (the GPU machine carries gymnasium but not mujoco).
 2. ``overlap`` -- env stepping overlapped with inference (env groups): Pusher-v5 rendered at 224x224 in
-   AsyncVectorEnv subprocesses, ``groups=1`` vs ``groups=2`` (and ``groups=2`` with the thread pool disabled =
-   the same groups run one after the other) with the same total N, interleaved in rounds. Reports env-steps/s,
+   AsyncVectorEnv subprocesses, ``groups=1`` vs ``groups=2`` (within-step overlap), ``groups=2, prefetch=True``
+   (cross-step prefetch: a group's policy call for the next step starts as soon as its chunk is done) and
+   ``groups=2`` with the thread pool disabled (the same groups run one after the other), with the same total N,
+   interleaved in rounds. Reports env-steps/s,
    the policy-busy fraction (time inside ``policy.act`` / wall time), the env and policy time per chunk measured
    alone, and the speedup (target >= 1.6x when both take similar time). Two policies: the tiny PI0.5 (CPU
    compute in the main process) and an "accelerator-emulating" policy that waits ``ms_per_sample * n`` without
    using the CPU (as the host does while a GPU computes), then returns Gaussian actions.
-   It also checks that ``groups=2`` returns the same rewards, states and actions as ``groups=1`` for the same seeds.
+   It also checks that ``groups=2`` (with and without prefetch) returns the same rewards, states, images and
+   actions as ``groups=1`` for the same seeds.
 
     python benchmarks/bench_wrapper.py --which overhead --device cpu --config tiny --out results.jsonl
     python benchmarks/bench_wrapper.py --which overhead --device cuda --config base --cameras 2 3 --out results.jsonl
@@ -332,6 +335,16 @@ class TimedPolicy:
         self.busy_s = 0.0
         self.calls = 0
 
+    @property
+    def streams(self) -> Any:
+        """The inner policy's random-stream table (``prefetch=True`` restores rows of it on a discard)."""
+        return self.inner.streams
+
+    @property
+    def weight_version(self) -> int:
+        """The inner policy's weight version (a prefetched output must match it)."""
+        return self.inner.weight_version
+
     def act(self, obs: Mapping[str, Any], **kwargs: Any) -> PolicyOutput:
         t = time.perf_counter()
         try:
@@ -365,42 +378,6 @@ class EmulatedAcceleratorPolicy(GaussianPolicy):
         n = int(np.shape(obs["state"])[0])
         time.sleep((self.ms_per_call + self.ms_per_sample * n) / 1e3)
         return super().act(obs, **kwargs)
-
-
-class PrefetchPipelinedEnv(PolicyVectorEnv):
-    """PROTOTYPE (benchmark only, not the wrapper's behaviour): cross-step pipelining of env groups.
-
-    `PolicyVectorEnv` overlaps the policy call of group g+1 with the env stepping of group g inside one `step()`,
-    but the last group's env stepping is never overlapped: one step costs ``G * p + e`` (p, e per group), so with
-    p = e and G = 2 it is at most 4/3 of serial groups. Here, as soon as group 0 has finished its chunk, the
-    policy acts on group 0's new observation (for the *next* step) while the other groups still step; the next
-    `step()` uses that prefetched output. The steady-state step costs ``max(G * p, p + e)``.
-    Same draws as `PolicyVectorEnv` (each env's stream advances once per call, `value()` consumes none), so results
-    equal ``groups=1``, as long as nothing changes the policy between steps: a weight sync (C6) or an explicit
-    ``step(actions)`` after a prefetch would need the prefetched call to be redone with its stream counters rolled
-    back, which this prototype does not do (it refuses explicit actions).
-    """
-
-    _prefetched: PolicyOutput | None = None
-
-    def reset(self, **kwargs: Any) -> tuple[Any, dict[str, Any]]:
-        self._prefetched = None
-        return super().reset(**kwargs)
-
-    def _run_groups(self, actions: Any) -> tuple[list[Any], list[PolicyOutput]]:
-        if actions is not None or self._pool is None:
-            raise NotImplementedError("PrefetchPipelinedEnv: step(None) with groups >= 2 only (benchmark prototype).")
-        outputs, pending = [], []
-        for g, runner in enumerate(self._runners):
-            out = self._prefetched if g == 0 and self._prefetched is not None else self._act(runner)
-            self._prefetched = None
-            outputs.append(out)
-            pending.append(self._pool.submit(runner.run, self._env_actions(runner, out.actions)))
-        self._pending_seeds = None
-        results = [pending[0].result()]
-        self._prefetched = self._act(self._runners[0])  # overlaps with groups 1.. still stepping
-        results += [p.result() for p in pending[1:]]
-        return results, outputs
 
 
 def make_pusher_group(n: int, context: str | None, image_size: int = 224) -> gym.vector.VectorEnv:
@@ -454,17 +431,13 @@ def _alone_times(groups: list[gym.vector.VectorEnv], policy: Any, chunk: int, it
 
 
 def check_group_equivalence(policy: Any, n: int, chunk: int, context: str | None, steps: int = 3) -> dict:
-    """groups=2 (and the prefetch prototype) vs groups=1 on Pusher with the same seeds: max |diff| of rewards,
+    """groups=2 (with and without prefetch) vs groups=1 on Pusher with the same seeds: max |diff| of rewards,
     states, images and policy actions over `steps` steps."""
-    variants = {
-        "G1": (PolicyVectorEnv, 1),
-        "G2": (PolicyVectorEnv, 2),
-        "G2_prefetch_prototype": (PrefetchPipelinedEnv, 2),
-    }
+    variants = {"G1": (1, False), "G2": (2, False), "G2_prefetch": (2, True)}
     records = {}
-    for name, (cls, g) in variants.items():
+    for name, (g, prefetch) in variants.items():
         envs = [make_pusher_group(n // g, context) for _ in range(g)]
-        env = cls(envs if g > 1 else envs[0], policy, action_chunk=chunk, groups=g)
+        env = PolicyVectorEnv(envs if g > 1 else envs[0], policy, action_chunk=chunk, groups=g, prefetch=prefetch)
         obs, _ = env.reset(seed=7)
         rec = []
         for _ in range(steps):
@@ -474,7 +447,7 @@ def check_group_equivalence(policy: Any, n: int, chunk: int, context: str | None
         env.close()
         records[name] = rec
     out = {}
-    for name in ("G2", "G2_prefetch_prototype"):
+    for name in ("G2", "G2_prefetch"):
         diff = dict.fromkeys(("rewards", "state", "actions", "images"), 0.0)
         for a, b in zip(records["G1"], records[name]):
             for key, x, y in zip(diff, a, b):
@@ -494,10 +467,11 @@ def bench_overlap(
     ms_per_sample: float | None = None,
     group_counts: Sequence[int] = (1, 2),
     serial: bool = True,
-    pipelined: bool = True,
+    prefetch: bool = True,
     check_equal: bool = True,
 ) -> dict[str, Any]:
-    """One overlap row: G=1 vs G in `group_counts` (and G=2 run serially) on the same total N, interleaved."""
+    """One overlap row: G=1 vs G in `group_counts`, G=2 with ``prefetch=True`` (and G=2 run serially) on the same
+    total N, interleaved."""
     device = torch.device("cpu")
     probe_groups = [make_pusher_group(num_envs // 2, context) for _ in range(2)]
     if policy_kind == "pi05":
@@ -537,9 +511,9 @@ def bench_overlap(
     for g in group_counts:
         envs = [make_pusher_group(num_envs // g, context) for _ in range(g)]
         variants[f"G{g}"] = PolicyVectorEnv(envs if g > 1 else envs[0], timed, action_chunk=chunk, groups=g)
-    if pipelined:
+    if prefetch:
         envs = [make_pusher_group(num_envs // 2, context) for _ in range(2)]
-        variants["G2_prefetch_prototype"] = PrefetchPipelinedEnv(envs, timed, action_chunk=chunk, groups=2)
+        variants["G2_prefetch"] = PolicyVectorEnv(envs, timed, action_chunk=chunk, groups=2, prefetch=True)
     if serial:
         envs = [make_pusher_group(num_envs // 2, context) for _ in range(2)]
         env = PolicyVectorEnv(envs, timed, action_chunk=chunk, groups=2)
@@ -569,6 +543,10 @@ def bench_overlap(
         }
     base = results["G1"]["env_steps_per_s"]
     speedups = {f"{name}_over_G1": round(r["env_steps_per_s"] / base, 3) for name, r in results.items() if name != "G1"}
+    for ref in ("G2", "G2_serial"):  # cross-step prefetch vs the same groups without it
+        if "G2_prefetch" in results and ref in results:
+            ratio = results["G2_prefetch"]["env_steps_per_s"] / results[ref]["env_steps_per_s"]
+            speedups[f"G2_prefetch_over_{ref}"] = round(ratio, 3)
     row = {
         "bench": "wrapper_overlap",
         **meta_row(device),
@@ -641,7 +619,12 @@ def plot(jsonl: Path, png: Path) -> None:
         for i in range(len(names)):
             ax.text(i, vals[i], f"{vals[i] / vals[0]:.2f}x", ha="center", va="bottom", fontsize=8)
         ax.set_xticks(
-            range(len(names)), [n.replace("_prefetch_prototype", "\nprefetch\n(prototype)") for n in names], fontsize=7
+            range(len(names)),
+            [
+                n.replace("_prefetch_prototype", "\nprefetch\n(prototype)").replace("_prefetch", "\nprefetch")
+                for n in names
+            ],
+            fontsize=7,
         )
         cfg, alone = r["config"], r["alone"]
         ax.set_title(
@@ -679,7 +662,7 @@ def main() -> None:
     parser.add_argument("--groups", type=int, nargs="+", default=[1, 2])
     parser.add_argument("--no-serial", action="store_true")
     parser.add_argument("--no-check", action="store_true")
-    parser.add_argument("--no-prototype", action="store_true", help="skip the cross-step prefetch prototype")
+    parser.add_argument("--no-prefetch", action="store_true", help="skip groups=2 with prefetch=True")
     args = parser.parse_args()
 
     if args.which == "plot":
@@ -705,7 +688,7 @@ def main() -> None:
                 ms_per_sample=args.ms_per_sample,
                 group_counts=args.groups,
                 serial=not args.no_serial,
-                pipelined=not args.no_prototype,
+                prefetch=not args.no_prefetch,
                 check_equal=not args.no_check,
             )
             emit([row], args.out)

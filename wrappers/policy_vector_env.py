@@ -22,7 +22,8 @@ from __future__ import annotations
 
 import multiprocessing.connection
 from collections.abc import Callable, Mapping, Sequence
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import Future, ThreadPoolExecutor, as_completed
+from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
@@ -53,6 +54,20 @@ def _check_canonical(keys: Sequence[str], where: str) -> None:
         )
 
 
+@dataclass
+class _Prefetch:
+    """A policy call started for a group's next step (cross-step prefetch), and what it must match to be used."""
+
+    future: Future[PolicyOutput]
+    obs: Any  # the observation object it acts on (the group's `ChunkRunner.obs` when it started)
+    ids: torch.Tensor  # the group's env ids, on the stream table's device
+    seeds: torch.Tensor  # stream seeds of `ids` before the call
+    counters: torch.Tensor  # stream counters of `ids` before the call
+    weight_version: Any  # policy.weight_version when the call started
+    deterministic: bool
+    action_chunk: int
+
+
 class PolicyVectorEnv(VectorWrapper):
     """Runs `policy` on a vector env, one C-step action chunk per `step()`.
 
@@ -67,6 +82,13 @@ class PolicyVectorEnv(VectorWrapper):
         numpy_infos: convert every info leaf to numpy (gymnasium's ``DictInfoToList`` needs that; costs a
             device-to-host copy of the policy outputs).
         callback: called as ``callback(self, infos)`` after every step (e.g. to sync weights periodically).
+        prefetch: cross-step prefetch (needs a policy with a restorable ``streams`` table, see
+            `_check_prefetch`): as soon as group g has finished its chunk in ``step(None)``, the policy acts on
+            its new observation for the next step in a worker thread, while later groups still step; the next
+            ``step(None)`` uses that output if it was made from the same observation, with the current weight
+            version and settings, and otherwise recomputes it. A discarded prefetch (stale, failed, or cancelled
+            by ``step(actions)``, ``reset()``, ``sync_weights()``, ``close()`` or before the `callback` runs)
+            has its envs' random streams restored, so results equal ``prefetch=False`` bit for bit.
 
     Example:
         >>> from policies.baseline import GaussianPolicy
@@ -90,6 +112,7 @@ class PolicyVectorEnv(VectorWrapper):
         episode_statistics: bool = True,
         numpy_infos: bool = False,
         callback: Callable[[PolicyVectorEnv, dict[str, Any]], None] | None = None,
+        prefetch: bool = False,
     ) -> None:
         envs = self._check_envs(env, groups)
         if not isinstance(policy, Policy):
@@ -109,7 +132,13 @@ class PolicyVectorEnv(VectorWrapper):
         self.action_chunk = self._check_chunk(action_chunk)
         self._setup_spaces(envs[0])
         self._stats = EpisodeStatistics(self._num_envs) if episode_statistics else None
-        self._pool = ThreadPoolExecutor(len(envs), "pve-group") if len(envs) > 1 else None
+        self._prefetch = bool(prefetch)
+        if self._prefetch:
+            self._check_prefetch(policy)
+        # prefetch: up to G chunks and G policy calls at once
+        workers = len(envs) * (2 if self._prefetch else 1)
+        self._pool = ThreadPoolExecutor(workers, "pve-group") if workers > 1 else None
+        self._prefetches: dict[int, _Prefetch] = {}
         self._pending_seeds: torch.Tensor | None = None
         self._is_closed = False
         self._workers_broken = False
@@ -137,6 +166,18 @@ class PolicyVectorEnv(VectorWrapper):
                 "[make_mujoco_env(num_envs=n // groups) for _ in range(groups)], or leave groups=None."
             )
         return envs
+
+    @staticmethod
+    def _check_prefetch(policy: Policy) -> None:
+        """Prefetch needs ``policy.streams.seeds``/``.counters`` (env-id indexed tensors) to undo a discarded call."""
+        streams = getattr(policy, "streams", None)
+        if not all(isinstance(getattr(streams, name, None), torch.Tensor) for name in ("seeds", "counters")):
+            raise TypeError(
+                f"PolicyVectorEnv: argument `prefetch=True` needs a policy with a restorable random-stream table "
+                f"(`policy.streams.seeds` and `.counters` tensors indexed by env id, DESIGN C3), got "
+                f"{type(policy).__name__} without one. Fix: pass prefetch=False, or use policies.Pi05Policy or "
+                "policies.baseline.GaussianPolicy (or expose such a `streams` table on the policy)."
+            )
 
     def _check_chunk(self, action_chunk: int | None) -> int:
         horizon = int(self.policy.action_horizon)
@@ -199,6 +240,11 @@ class PolicyVectorEnv(VectorWrapper):
         """G, the number of env groups."""
         return len(self._runners)
 
+    @property
+    def prefetch(self) -> bool:
+        """Whether cross-step prefetch is on (fixed at construction)."""
+        return self._prefetch
+
     def reset(
         self, *, seed: int | Sequence[int] | None = None, options: dict[str, Any] | None = None
     ) -> tuple[Any, dict[str, Any]]:
@@ -207,6 +253,7 @@ class PolicyVectorEnv(VectorWrapper):
         ``options["reset_mask"]`` resets only the masked envs (their policy streams are not re-seeded).
         """
         self._check_open("reset")
+        self._cancel_prefetches()
         options = dict(options or {})
         mask = options.pop("reset_mask", None)
         seeds = None if seed is None else ([seed + i for i in range(self.num_envs)] if isinstance(seed, int)
@@ -243,6 +290,7 @@ class PolicyVectorEnv(VectorWrapper):
             raise RuntimeError("PolicyVectorEnv.step: call reset() before step().")
         if actions is not None:
             actions = self._check_actions(actions)
+            self._cancel_prefetches()
         try:
             results, outputs = self._run_groups(actions)
         except (BrokenPipeError, EOFError, ConnectionResetError) as err:
@@ -251,7 +299,7 @@ class PolicyVectorEnv(VectorWrapper):
         return self._assemble(results, outputs)
 
     def sync_weights(self, *args: Any, **kwargs: Any) -> Any:
-        """Passes through to ``policy.sync_weights(...)`` and returns its report."""
+        """Passes through to ``policy.sync_weights(...)`` and returns its report (after cancelling prefetches)."""
         sync = getattr(self.policy, "sync_weights", None)
         if sync is None:
             raise AttributeError(
@@ -259,6 +307,7 @@ class PolicyVectorEnv(VectorWrapper):
                 "sync_weights(). "
                 "Fix: use a policy with a weight-sync hook (policies.Pi05Policy)."
             )
+        self._cancel_prefetches()
         return sync(*args, **kwargs)
 
     def close(self, **kwargs: Any) -> None:
@@ -266,6 +315,7 @@ class PolicyVectorEnv(VectorWrapper):
         if self._is_closed:
             return
         self._is_closed = True
+        self._cancel_prefetches()
         if self._pool is not None:
             self._pool.shutdown(wait=True)
         for runner in self._runners:
@@ -308,10 +358,11 @@ class PolicyVectorEnv(VectorWrapper):
             )
         return actions
 
-    def _act(self, runner: ChunkRunner) -> PolicyOutput:
+    def _act(self, runner: ChunkRunner, pending_seeds: bool = True) -> PolicyOutput:
+        """One policy call on the group's current observation (with the seeds of a seeded reset, if pending)."""
         ids = range(runner.offset, runner.offset + runner.num_envs)
         seeds = None
-        if self._pending_seeds is not None:
+        if pending_seeds and self._pending_seeds is not None:
             seeds = self._pending_seeds[runner.offset : runner.offset + runner.num_envs]
         out = self.policy.act(
             runner.obs,
@@ -337,11 +388,11 @@ class PolicyVectorEnv(VectorWrapper):
         return torch.as_tensor(actions).to(runner.device)
 
     def _run_groups(self, actions: Any) -> tuple[list[ChunkResult], list[PolicyOutput]]:
-        """Policy on group g (main thread) while earlier groups step in worker threads."""
+        """Policy on group g (main thread, or its prefetched output) while earlier groups step in worker threads."""
         outputs, pending = [], []
-        for runner in self._runners:
+        for g, runner in enumerate(self._runners):
             if actions is None:
-                outputs.append(self._act(runner))
+                outputs.append(self._take_prefetch(g, runner) or self._act(runner))
                 group_actions = outputs[-1].actions
             else:
                 group_actions = actions[runner.offset : runner.offset + runner.num_envs]
@@ -352,8 +403,80 @@ class PolicyVectorEnv(VectorWrapper):
                 pending.append(self._pool.submit(runner.run, env_actions))
         if actions is None:
             self._pending_seeds = None
+        if self._prefetch and actions is None:
+            return self._collect_and_prefetch(pending), outputs
         results = [p if isinstance(p, ChunkResult) else p.result() for p in pending]
         return results, outputs
+
+    # ------------------------------------------------------------------------------------- cross-step prefetch
+    def _collect_and_prefetch(self, pending: list[Future[ChunkResult]]) -> list[ChunkResult]:
+        """Waits for the groups' chunks; as each group finishes, starts the policy call of its next step."""
+        group_of = {future: g for g, future in enumerate(pending)}
+        results: list[ChunkResult | None] = [None] * len(pending)
+        for future in as_completed(pending):
+            g = group_of[future]
+            results[g] = future.result()
+            self._start_prefetch(g, self._runners[g])
+        return results  # type: ignore[return-value]
+
+    def _start_prefetch(self, g: int, runner: ChunkRunner) -> None:
+        """Snapshots the group's random streams and submits `policy.act` on its current observation."""
+        assert self._pool is not None and g not in self._prefetches
+        table = self.policy.streams  # type: ignore[attr-defined]
+        ids = torch.arange(runner.offset, runner.offset + runner.num_envs, device=table.seeds.device)
+        seeds, counters = _stream_rows(table, ids)
+        self._prefetches[g] = _Prefetch(
+            future=self._pool.submit(self._act, runner, False),  # seeds of a seeded reset: reset() cancels
+            obs=runner.obs,
+            ids=ids,
+            seeds=seeds,
+            counters=counters,
+            weight_version=getattr(self.policy, "weight_version", None),
+            deterministic=self.deterministic,
+            action_chunk=self.action_chunk,
+        )
+
+    def _take_prefetch(self, g: int, runner: ChunkRunner) -> PolicyOutput | None:
+        """The prefetched output of group g if still valid; otherwise None (after restoring its streams)."""
+        record = self._prefetches.pop(g, None)
+        if record is None:
+            return None
+        try:
+            out = record.future.result()
+        except Exception:  # recomputed on the main thread, which raises the error where it belongs
+            out = None
+        version = getattr(self.policy, "weight_version", None)
+        valid = (
+            out is not None
+            and record.obs is runner.obs
+            and self._pending_seeds is None
+            and record.deterministic == self.deterministic
+            and record.action_chunk == self.action_chunk
+            and record.weight_version == version
+            and (version is None or out.header.weight_version == version)
+        )
+        if valid:
+            return out
+        self._restore_streams(record)
+        return None
+
+    def _cancel_prefetches(self) -> None:
+        """Waits for every pending prefetch, restores its envs' random streams and drops it."""
+        while self._prefetches:
+            _, record = self._prefetches.popitem()
+            try:
+                record.future.result()
+            except Exception:  # a failed call is discarded like any other; its streams are restored below
+                pass
+            self._restore_streams(record)
+
+    def _restore_streams(self, record: _Prefetch) -> None:
+        """Puts back the seeds/counters of the prefetch's env ids (only those rows: other groups use other ids)."""
+        table = self.policy.streams  # type: ignore[attr-defined]
+        size = table.seeds.shape[0]
+        keep = record.ids < size
+        table.seeds[record.ids[keep]] = record.seeds[keep].to(table.seeds.device)
+        table.counters[record.ids[keep]] = record.counters[keep].to(table.counters.device)
 
     def _final_values(self, result: ChunkResult, group: ChunkRunner) -> torch.Tensor:
         """(n,) critic on the terminal observations of finished envs, 0 elsewhere."""
@@ -409,6 +532,7 @@ class PolicyVectorEnv(VectorWrapper):
             infos = to_numpy_tree(infos)
         obs = concat([r.obs for r in results])
         if self.callback is not None:
+            self._cancel_prefetches()  # the callback may change the policy (weights, streams, settings)
             self.callback(self, infos)
         return obs, rewards, terminated, truncated, infos
 
@@ -419,6 +543,19 @@ class PolicyVectorEnv(VectorWrapper):
         success_any = torch.cat([zeros(r) if r.success_any is None else r.success_any for r in results])
         success_end = torch.cat([zeros(r) if r.success_end is None else r.success_end for r in results])
         return success_any, success_end
+
+
+def _stream_rows(table: Any, ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Copies of the (seeds, counters) rows `ids` of a stream table.
+
+    Rows the table has not grown to yet read as the defaults it would grow them with (seed = env id, counter 0).
+    """
+    size = table.seeds.shape[0]
+    inside = ids < size
+    rows = torch.where(inside, ids, 0)
+    seeds = torch.where(inside, table.seeds[rows], ids)
+    counters = torch.where(inside, table.counters[rows], 0)
+    return seeds.clone(), counters.clone()
 
 
 def _dead_workers(env: VectorEnv, wait_s: float = 0.0) -> list[tuple[int, str]]:

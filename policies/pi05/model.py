@@ -102,6 +102,7 @@ class Pi05Model(nn.Module):
         if cfg.noise_head:
             self.noise_head = NoiseHead(cfg.expert.width, cfg.noise_hidden, cfg.action_dim, cfg.noise_std_range)
         self.fused_expert: list[tuple[torch.Tensor, torch.Tensor]] | None = None
+        self._fused_rows: tuple[list, list[torch.Tensor]] | None = None  # row views of the fused copies
         self.attention_config = attention or AttentionConfig()
         self.plan: AttentionPlan = self.attention_config.resolve(torch.device("cpu"), torch.float32)
 
@@ -162,13 +163,38 @@ class Pi05Model(nn.Module):
         return qkv.dtype == weight.dtype == x.dtype and qkv.device == weight.device
 
     def refresh_fused_expert(self) -> None:
-        """Rewrite the fused copies in place from the current parameters (captured graphs stay valid)."""
+        """Rewrite the fused copies in place from the current parameters (captured graphs stay valid).
+
+        One multi-tensor copy of every q, k, v, gate and up weight into its rows of the fused buffers (row
+        views made once per set of fused buffers; a shape mismatch raises like `copy_`).
+        """
         if self.fused_expert is None:
             return
-        with torch.no_grad():
+        srcs: list[torch.Tensor] = []
+        for layer in self.expert.layers:
+            attn, mlp = layer.self_attn, layer.mlp
+            srcs += (
+                attn.q_proj.weight,
+                attn.k_proj.weight,
+                attn.v_proj.weight,
+                mlp.gate_proj.weight,
+                mlp.up_proj.weight,
+            )
+        cached = getattr(self, "_fused_rows", None)
+        if (
+            cached is None
+            or cached[0] is not self.fused_expert
+            or len(cached[1]) != len(srcs)
+            or cached[1][0].data_ptr() != self.fused_expert[0][0].data_ptr()
+        ):
+            rows: list[torch.Tensor] = []
             for (qkv, gate_up), layer in zip(self.fused_expert, self.expert.layers):
-                qkv.copy_(layer.self_attn.fused_weight())
-                gate_up.copy_(layer.mlp.fused_weight())
+                attn, mlp = layer.self_attn, layer.mlp
+                rows += qkv.split([p.weight.shape[0] for p in (attn.q_proj, attn.k_proj, attn.v_proj)])
+                rows += gate_up.split([p.weight.shape[0] for p in (mlp.gate_proj, mlp.up_proj)])
+            cached = self._fused_rows = (self.fused_expert, rows)
+        with torch.no_grad():
+            torch._foreach_copy_(cached[1], srcs)
 
     # ---------------------------------------------------------------------------------------- prefix
     def embed_images(self, images: torch.Tensor) -> torch.Tensor:

@@ -11,8 +11,9 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
+import torch.nn.functional as F
 
-from .gemma import Modulation
+from .gemma import Modulation, upcast
 from .model import Pi05Model, PrefixCache
 from .sampler import Controls, StepTables, denoise
 
@@ -61,8 +62,18 @@ class RolloutTables:
     def _modulation(self, steps: StepTables) -> torch.Tensor:
         with torch.no_grad():
             cond = self.model.time_condition(steps.times[:-1])  # (K, We)
-            mods = self.model.modulations(cond)  # per norm: 3 x (K, 1, We)
-            return torch.stack([torch.cat(m, dim=-1)[:, 0] for m in mods])
+            norms = self.model.expert.adaptive_norms()
+            weights = [n.dense.weight for n in norms]
+            biases = [n.dense.bias for n in norms]
+            if len({t.dtype for t in weights + biases}) != 1 or cond.dtype != upcast(weights[0]).dtype:
+                mods = self.model.modulations(cond)  # per norm: 3 x (K, 1, We)
+                return torch.stack([torch.cat(m, dim=-1)[:, 0] for m in mods])
+            # every norm's Dense in one GEMM: (K, We) x (n_norms * 3We, We)^T -> (n_norms, K, 3We)
+            width = weights[0].shape[1]
+            m = F.linear(cond, upcast(torch.cat(weights)), upcast(torch.cat(biases)))
+            m = m.view(cond.shape[0], len(norms), 3 * width).transpose(0, 1).contiguous()
+            m[..., :width] += 1.0  # [1 + scale | shift | gate], as `AdaRMSNorm.modulation`
+            return m
 
     def __getitem__(self, k: int) -> KTables:
         return self.tables[k]

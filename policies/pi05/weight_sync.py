@@ -12,6 +12,13 @@ any failure leaves the weights bit-identical and the policy serving them. Staged
 buffer per dtype (the parameter's dtype: fp32 islands stay fp32), filled on a dedicated CUDA stream with
 non-blocking copies from GPU or pinned host memory.
 
+Host cost per update is kept low: a plan per expected set (per-dtype names, buffer sizes, shapes) is built
+once and reused while the parameters are the same objects with the same dtype, shape and device; staging
+views are made in one call per dtype; the per-tensor checks are plain compares against the plan (the full
+check with its message runs only for a tensor that fails them); plain tensors are read without detach;
+copies in both directions are multi-tensor calls; the table refresh is one GEMM for all adaRMS norms and one
+multi-tensor copy for the fused expert weights.
+
 The commit is queued on the compute stream (the current stream of the thread calling `finish`, which is the
 stream `act()` replays on): it waits on the staging stream and on the stream of every earlier weight reader,
 copies into the existing parameter storage (never rebinding `.data`), refreshes the weight-derived tables in
@@ -36,6 +43,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 import torch
+from torch._utils import _unflatten_dense_tensors
 
 from .checkpoint import TIED_EMBEDDING, to_internal_name
 
@@ -52,6 +60,10 @@ _GROUP_BYTES = 256 << 20
 """... or this many source bytes (bounds what a generator's materialised tensors may pin)."""
 _WRAPPER_SEGMENTS = ("_fsdp_wrapped_module.", "_checkpoint_wrapped_module.", "_orig_mod.")
 """Name segments that FSDP1, activation checkpointing and torch.compile insert into module names."""
+
+
+_PLAIN_TENSOR_TYPES = (torch.Tensor, torch.nn.Parameter)
+"""Source value types staged without `materialize` (no `.full_tensor()` to call, no detach needed)."""
 
 
 class WeightSyncError(ValueError):
@@ -91,40 +103,62 @@ class WeightUpdateReport:
     expected: str = "trainable"
 
 
+class _Plan:
+    """What an expected set needs per update, built once and reused.
+
+    Valid while the parameters are the same objects with the same dtype, shape and device: per dtype the
+    names, parameters and buffer size, per name the shape and whether it is floating point (the checks
+    `_stage` runs per tensor as plain compares).
+    """
+
+    def __init__(self, params: dict[str, torch.nn.Parameter], expected: list[str]) -> None:
+        self.expected = expected
+        self.plist = [params[n] for n in expected]
+        self.signature = _signature(self.plist)
+        self.device = self.plist[0].device
+        by_dtype: dict[torch.dtype, tuple[list[str], list[torch.nn.Parameter]]] = {}
+        for name, p in zip(expected, self.plist):
+            names, ps = by_dtype.setdefault(p.dtype, ([], []))
+            names.append(name)
+            ps.append(p)
+        self.groups = [(dt, names, ps, sum(p.numel() for p in ps)) for dt, (names, ps) in by_dtype.items()]
+        self.shapes = {n: p.shape for n, p in zip(expected, self.plist)}
+        self.floating = {n: p.is_floating_point() for n, p in zip(expected, self.plist)}
+        self.nbytes = {n: p.numel() * p.element_size() for n, p in zip(expected, self.plist)}
+
+    def valid_for(self, params: dict[str, torch.nn.Parameter]) -> bool:
+        """True while every planned name is still the same parameter with the same dtype, shape and device."""
+        try:
+            plist = [params[n] for n in self.expected]
+        except KeyError:
+            return False
+        return all(a is b for a, b in zip(plist, self.plist)) and _signature(plist) == self.signature
+
+
+def _signature(plist: list[torch.nn.Parameter]) -> list[tuple[Any, ...]]:
+    return [(p.dtype, p.shape, p.device) for p in plist]
+
+
 class _Transaction:
     """The state of one open update: expected names, the staging buffers, what has arrived."""
 
-    def __init__(self, params: dict[str, torch.nn.Parameter], expected: list[str], mode: str, stream: Any) -> None:
+    def __init__(self, params: dict[str, torch.nn.Parameter], plan: _Plan, mode: str, stream: Any) -> None:
         self.params = params
-        self.expected = expected
-        self.expected_set = frozenset(expected)
+        self.plan = plan
+        self.expected = plan.expected
+        self.expected_set = frozenset(plan.expected)
         self.mode = mode
         self.started = time.perf_counter()
-        device = params[expected[0]].device
         self.stream: torch.cuda.Stream | None = stream  # the policy's staging stream (None on CPU)
-        sizes: dict[torch.dtype, int] = {}
-        for name in expected:
-            p = params[name]
-            sizes[p.dtype] = sizes.get(p.dtype, 0) + p.numel()
+        self.arenas: dict[torch.dtype, torch.Tensor] = {}
+        self.slots: dict[str, torch.Tensor] = {}  # staging views (shape and dtype of each expected parameter)
         with self.on_stream():  # flat staging buffers, one per dtype, allocated on the staging stream
-            self.arenas = {dt: torch.empty(n, dtype=dt, device=device) for dt, n in sizes.items()}
-        self.offsets: dict[str, int] = {}  # element offset of each expected name in its dtype's buffer
-        ends = dict.fromkeys(sizes, 0)
-        for name in expected:
-            p = params[name]
-            self.offsets[name] = ends[p.dtype]
-            ends[p.dtype] += p.numel()
-        self.slots: dict[str, torch.Tensor] = {}  # staging views, made when a name arrives
+            for dt, names, ps, numel in plan.groups:
+                arena = self.arenas[dt] = torch.empty(numel, dtype=dt, device=plan.device)
+                self.slots.update(zip(names, _unflatten_dense_tensors(arena, ps)))  # views, one C++ call
         self.received: dict[str, tuple[str, int]] = {}  # our name -> (source name, source bytes)
         self.skipped: list[str] = []
         self.validated = False
-
-    def slot(self, name: str) -> torch.Tensor:
-        """The staging view of `name` (shape and dtype of its parameter)."""
-        p = self.params[name]
-        start = self.offsets[name]
-        view = self.slots[name] = self.arenas[p.dtype][start : start + p.numel()].view(p.shape)
-        return view
 
     def ours(self, name: str) -> str | None:
         """Our name for a source name (ours pass through without the prefix mapping)."""
@@ -137,12 +171,17 @@ class _Transaction:
 
 def _copy_all(dsts: list[torch.Tensor], srcs: list[torch.Tensor], non_blocking: bool) -> None:
     """dst.copy_(src) for every pair; same-device same-dtype pairs in one multi-tensor call."""
-    fast = [(d, s) for d, s in zip(dsts, srcs) if d.device == s.device and d.dtype == s.dtype]
-    slow = [(d, s) for d, s in zip(dsts, srcs) if d.device != s.device or d.dtype != s.dtype]
-    if fast and hasattr(torch, "_foreach_copy_"):
-        torch._foreach_copy_([d for d, _ in fast], [s for _, s in fast], non_blocking=non_blocking)
+    fast_d, fast_s, slow = [], [], []
+    for d, s in zip(dsts, srcs):
+        if d.device == s.device and d.dtype == s.dtype:
+            fast_d.append(d)
+            fast_s.append(s)
+        else:
+            slow.append((d, s))
+    if fast_d and hasattr(torch, "_foreach_copy_"):
+        torch._foreach_copy_(fast_d, fast_s, non_blocking=non_blocking)
     else:
-        slow = fast + slow
+        slow = list(zip(fast_d, fast_s)) + slow
     for d, s in slow:
         d.copy_(s, non_blocking=non_blocking)
 
@@ -241,6 +280,7 @@ class WeightSyncMixin:
     _commit_event: torch.cuda.Event | None = None
     _reader_events: dict[int, torch.cuda.Event] | None = None
     _staging_stream: torch.cuda.Stream | None = None  # one per policy: the allocator reuses its staging memory
+    _sync_plans: dict[tuple[str, ...], _Plan] | None = None  # per expected set, reused while still valid
 
     # ------------------------------------------------------------------------------------- public API
     @property
@@ -264,7 +304,7 @@ class WeightSyncMixin:
             names, mode = _resolve_expected(expected, params)
             if self.device.type == "cuda" and self._staging_stream is None:
                 self._staging_stream = torch.cuda.Stream(self.device)
-            self._weight_update = _Transaction(params, names, mode, self._staging_stream)
+            self._weight_update = _Transaction(params, self._plan(params, names), mode, self._staging_stream)
 
     def update_weights(self, named_tensors: Mapping[str, Any] | Iterable[tuple[str, Any]]) -> int:
         """Validate and stage tensors (a mapping or (name, tensor) pairs); returns how many were staged.
@@ -274,12 +314,27 @@ class WeightSyncMixin:
         """
         with self._lock:
             txn = self._require("update_weights")
+        return self._update(txn, iter_named_tensors(named_tensors, "update_weights"), skip_outside=False)
+
+    def _update(self, txn: _Transaction, pairs: Iterator[tuple[str, Any]], skip_outside: bool) -> int:
+        """`update_weights` on (name, value) pairs.
+
+        `skip_outside` (sync_weights) skips and reports parameters outside the expected set before they are
+        materialised, instead of refusing them in validation.
+        """
         staged, group, group_bytes = 0, [], 0
+        params, expected_set = txn.params, txn.expected_set
         try:
-            for name, value in iter_named_tensors(named_tensors, "update_weights"):
-                tensor = materialize(value, name, "update_weights")
-                group.append((name, tensor))
-                group_bytes += tensor.numel() * tensor.element_size()
+            for name, value in pairs:
+                ours = name if name in params else to_internal_name(name)
+                if skip_outside and ours is not None and ours in params and ours not in expected_set:
+                    txn.skipped.append(name)
+                    continue
+                # plain tensors are used as they are (only read as copy sources under no_grad); else materialize
+                tensor = value if type(value) in _PLAIN_TENSOR_TYPES else materialize(value, name, "update_weights")
+                nbytes = tensor.numel() * tensor.element_size()
+                group.append((name, ours, tensor, nbytes))
+                group_bytes += nbytes
                 if len(group) >= _GROUP_TENSORS or group_bytes >= _GROUP_BYTES:
                     staged += self._stage(txn, group)
                     group, group_bytes = [], 0
@@ -340,7 +395,7 @@ class WeightSyncMixin:
                 version=new_version,
                 names=names,
                 num_tensors=len(names),
-                num_bytes=sum(txn.params[n].numel() * txn.params[n].element_size() for n in names),
+                num_bytes=sum(txn.plan.nbytes[n] for n in names),
                 source_bytes=sum(b for _, b in txn.received.values()),
                 skipped=list(txn.skipped),
                 duration_s=time.perf_counter() - txn.started,
@@ -363,7 +418,9 @@ class WeightSyncMixin:
             txn = self._weight_update
         assert txn is not None
         try:
-            self.update_weights(self._expected_only(txn, source_pairs(source, "sync_weights")))
+            with self._lock:
+                self._require("update_weights")
+            self._update(txn, source_pairs(source, "sync_weights"), skip_outside=True)
             return self.finish_weight_update()
         except BaseException:
             with self._lock:
@@ -435,6 +492,18 @@ class WeightSyncMixin:
                 self._end(self._weight_update, "aborted by close()")
 
     # -------------------------------------------------------------------------------------- internals
+    def _plan(self, params: dict[str, torch.nn.Parameter], names: list[str]) -> _Plan:
+        """The cached plan of this expected set, rebuilt when a parameter was replaced or changed dtype/shape/device."""
+        if self._sync_plans is None:
+            self._sync_plans = {}
+        key = tuple(names)
+        plan = self._sync_plans.get(key)
+        if plan is None or not plan.valid_for(params):
+            if len(self._sync_plans) >= 8:
+                self._sync_plans.clear()
+            plan = self._sync_plans[key] = _Plan(params, names)
+        return plan
+
     def _require(self, where: str) -> _Transaction:
         txn = self._weight_update
         if txn is not None:
@@ -450,15 +519,6 @@ class WeightSyncMixin:
             self._last_update_end = reason if len(reason) < 300 else reason[:297] + "..."
         txn.slots.clear()
         txn.arenas.clear()  # staging memory goes back to the allocator (ordered on the staging stream)
-
-    def _expected_only(self, txn: _Transaction, pairs: Iterator[tuple[str, Any]]) -> Iterator[tuple[str, Any]]:
-        """Skip (and report) source parameters outside the expected set; everything else goes to validation."""
-        for name, value in pairs:
-            ours = txn.ours(name)
-            if ours is not None and ours in txn.params and ours not in txn.expected_set:
-                txn.skipped.append(name)
-                continue
-            yield name, value
 
     def _check_entry(
         self, txn: _Transaction, name: str, shape: Sequence[int], dtype: torch.dtype, where: str
@@ -495,7 +555,7 @@ class WeightSyncMixin:
             )
         return ours
 
-    def _stage(self, txn: _Transaction, group: list[tuple[str, torch.Tensor]]) -> int:
+    def _stage(self, txn: _Transaction, group: list[tuple[str, str | None, torch.Tensor, int]]) -> int:
         """Validate a group under the lock, then queue its copies into the staging buffers."""
         if not group:
             return 0
@@ -506,23 +566,39 @@ class WeightSyncMixin:
                     "begin a new update."
                 )
             dsts, srcs = [], []
-            for name, tensor in group:
-                ours = self._check_entry(txn, name, tensor.shape, tensor.dtype, "update_weights")
-                if ours is None:
-                    txn.skipped.append(name)
-                    continue
-                txn.received[ours] = (name, tensor.numel() * tensor.element_size())
-                dsts.append(txn.slot(ours))
+            received, slots = txn.received, txn.slots
+            expected_set, shapes, floating = txn.expected_set, txn.plan.shapes, txn.plan.floating
+            for name, ours, tensor, nbytes in group:
+                # the common case as plain compares; anything else goes through the full check (which raises)
+                if not (
+                    ours in expected_set
+                    and ours not in received
+                    and tensor.shape == shapes[ours]
+                    and (tensor.dtype.is_floating_point or not floating[ours])
+                ):
+                    ours = self._check_entry(txn, name, tensor.shape, tensor.dtype, "update_weights")
+                    if ours is None:
+                        txn.skipped.append(name)
+                        continue
+                received[ours] = (name, nbytes)
+                dsts.append(slots[ours])
                 srcs.append(tensor)
-            if txn.stream is not None:  # sources produced on their devices' current streams come first
-                for dev in {s.device for s in srcs if s.is_cuda}:
+            cuda_bases: dict[int, torch.Tensor] = {}  # CUDA sources by storage owner (views of one flat: one)
+            if txn.stream is not None:
+                for src in srcs:
+                    if src.is_cuda:
+                        base = src if src._base is None else src._base
+                        cuda_bases[id(base)] = base
+                # sources produced on their devices' current streams come first
+                for dev in {b.device for b in cuda_bases.values()}:
                     txn.stream.wait_stream(torch.cuda.current_stream(dev))
             with txn.on_stream(), torch.no_grad():
                 _copy_all(dsts, srcs, non_blocking=txn.stream is not None)
             if txn.stream is not None:
-                for s in srcs:
-                    if s.is_cuda:  # the caller may drop it; keep its memory until the staging copy ran
-                        s.record_stream(txn.stream)
+                # the caller may drop them; keep their memory until the staging copies ran (record_stream marks
+                # the whole allocation, so once per storage owner covers every view of it)
+                for base in cuda_bases.values():
+                    base.record_stream(txn.stream)
             return len(dsts)
 
     def _validate(self, txn: _Transaction, where: str) -> None:
@@ -547,7 +623,8 @@ class WeightSyncMixin:
                 for event in (self._reader_events or {}).values():
                     compute.wait_event(event)  # readers on other streams finish with the old weights first
             with torch.no_grad():
-                _copy_all([txn.params[n].detach() for n in names], [txn.slots[n] for n in names], non_blocking=False)
+                params, slots = txn.params, txn.slots  # no_grad: parameters are written in place without detach
+                _copy_all([params[n] for n in names], [slots[n] for n in names], non_blocking=False)
                 self.scheduler.refresh_tables()
             if compute is not None:
                 event = torch.cuda.Event()
@@ -623,4 +700,5 @@ def _nonfinite(txn: _Transaction) -> list[str]:
                 flags.append(torch.isfinite(lo) & torch.isfinite(hi))
         if not flags or bool(torch.stack(flags).all()):
             return []
-        return [n for n, v in txn.slots.items() if v.is_floating_point() and not bool(torch.isfinite(v).all())]
+        slots = txn.slots
+        return [n for n in txn.received if slots[n].is_floating_point() and not bool(torch.isfinite(slots[n]).all())]

@@ -414,6 +414,37 @@ def test_trainable_set_is_exact() -> None:
     assert listed.names == ["action_in_proj.bias", "action_out_proj.bias"] and listed.expected == "list"
 
 
+def test_cached_plan_follows_parameter_changes() -> None:
+    """The per-expected-set plan is reused across updates and rebuilt when a parameter is replaced or recast."""
+    policy = make_policy(make_model(seed=0))
+    model = policy.model
+    source = make_model(seed=7)
+    policy.sync_weights(source, expected="all")
+    policy.sync_weights(source, expected="all")
+    assert len(policy._sync_plans) == 1  # reused
+    old = model.action_out_proj.bias
+    model.action_out_proj.bias = torch.nn.Parameter(torch.zeros_like(old))  # rebound: a new object
+    fresh = make_model(seed=9)
+    policy.sync_weights(fresh, expected="all")
+    assert torch.equal(model.action_out_proj.bias, fresh.action_out_proj.bias)
+    assert not torch.equal(old, fresh.action_out_proj.bias)  # the replaced parameter was not written
+    model.action_in_proj.bias.data = model.action_in_proj.bias.data.double()  # same object, new dtype
+    policy.sync_weights(make_model(seed=11), expected="all")
+    assert model.action_in_proj.bias.dtype == torch.float64
+    assert torch.equal(model.action_in_proj.bias, make_model(seed=11).action_in_proj.bias.double())
+
+
+def test_batched_tables_match_per_norm_modulation() -> None:
+    policy = make_policy(make_model(seed=3))
+    tables = policy.scheduler.tables
+    assert tables is not None
+    for table in tables.tables.values():
+        with torch.no_grad():
+            cond = policy.model.time_condition(table.steps.times[:-1])
+            ref = torch.stack([torch.cat(m, dim=-1)[:, 0] for m in policy.model.modulations(cond)])
+        torch.testing.assert_close(table.modulation, ref, rtol=1e-6, atol=1e-6)
+
+
 class FakeDTensor:
     """Duck-typed DTensor: shape/dtype metadata and a `full_tensor()` that materialises the value."""
 

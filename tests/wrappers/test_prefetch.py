@@ -1,0 +1,266 @@
+"""Cross-step prefetch of PolicyVectorEnv (``prefetch=True``): results equal ``groups=1`` / ``prefetch=False`` bit
+for bit; stale or cancelled prefetches are discarded with the policy's random streams restored (DESIGN C2, C3, C6).
+"""
+
+from __future__ import annotations
+
+import threading
+import warnings
+from typing import Any
+
+import numpy as np
+import pytest
+import torch
+
+from policies.baseline import ConstantPolicy, GaussianPolicy
+from policies.pi05.config import Pi05Config
+from policies.pi05.policy import Pi05Policy
+from wrappers.adapters.scripted import make_scripted_env
+from wrappers.policy_vector_env import PolicyVectorEnv
+
+A, C, N = 3, 4, 4
+LENGTHS = [(2, 5), (3,), (7, 1), (4, 4)]  # episodes end inside chunks and at chunk boundaries
+
+
+class CountingGaussian(GaussianPolicy):
+    """GaussianPolicy that counts `act` calls and can fail the calls made from worker threads (prefetches)."""
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self.calls = self.failures = 0
+        self.fail_in_threads = False
+        self._count_lock = threading.Lock()
+
+    def act(self, obs: Any, **kwargs: Any) -> Any:
+        with self._count_lock:
+            self.calls += 1
+        out = super().act(obs, **kwargs)  # advances the streams first: a failure must still be undone
+        if self.fail_in_threads and threading.current_thread() is not threading.main_thread():
+            with self._count_lock:
+                self.failures += 1
+            raise RuntimeError("injected prefetch failure")
+        return out
+
+
+def make_wrapper(policy: Any, groups: int = 2, prefetch: bool = True, **kwargs: Any) -> PolicyVectorEnv:
+    per = N // groups
+    envs = [make_scripted_env(per, episode_lengths=LENGTHS[g * per : (g + 1) * per]) for g in range(groups)]
+    return PolicyVectorEnv(envs if groups > 1 else envs[0], policy, action_chunk=C, prefetch=prefetch, **kwargs)
+
+
+def snapshot(result: tuple) -> dict[str, Any]:
+    """Deep copies of what a step returned that must match across variants."""
+    obs, rewards, terminated, truncated, info = result
+    return {
+        "state": np.array(obs["state"]),
+        "image": np.array(obs["images"]["image"]),
+        "task": tuple(obs["task"]),
+        "rewards": np.array(rewards),
+        "terminated": np.array(terminated),
+        "truncated": np.array(truncated),
+        "final_obs": np.array(info["final_obs"]["state"]),
+        "substep_mask": np.array(info["substep_mask"]),
+        "policy": {k: v.detach().clone() for k, v in info["policy"].items()},
+    }
+
+
+def assert_same(a: dict[str, Any], b: dict[str, Any]) -> None:
+    for key in a:
+        if key == "policy":
+            assert a[key].keys() == b[key].keys()
+            for name in a[key]:
+                torch.testing.assert_close(a[key][name], b[key][name], rtol=0, atol=0, msg=name)
+        elif key == "task":
+            assert a[key] == b[key]
+        else:
+            np.testing.assert_array_equal(a[key], b[key], err_msg=key)
+
+
+def script(wrapper: PolicyVectorEnv, actions_rng: np.random.Generator) -> list[dict[str, Any]]:
+    """reset(seed), policy steps mixed with explicit actions, weight syncs, masked and seeded resets."""
+    records = []
+    wrapper.reset(seed=11)
+    for t in range(12):
+        if t == 3:
+            actions = actions_rng.uniform(-1, 1, (N, C, A)).astype(np.float32)
+            records.append(snapshot(wrapper.step(actions)))
+            continue
+        if t == 5:
+            wrapper.sync_weights({"mean": torch.full((A,), 0.5)})
+        if t == 7:
+            wrapper.reset(options={"reset_mask": np.array([False, True, False, True])})
+        if t == 9:
+            wrapper.reset(seed=40)
+        records.append(snapshot(wrapper.step()))
+    return records
+
+
+# ------------------------------------------------------------------------------------------------ equality
+def test_prefetch_equals_one_group_and_no_prefetch_and_is_used() -> None:
+    runs = {}
+    for name, groups, prefetch in [("G1", 1, False), ("G2", 2, False), ("G2_prefetch", 2, True)]:
+        policy = CountingGaussian(A, action_horizon=8, std=0.3)
+        wrapper = make_wrapper(policy, groups, prefetch)
+        wrapper.reset(seed=5)
+        runs[name] = [snapshot(wrapper.step()) for _ in range(8)]
+        assert len(wrapper._prefetches) == (2 if prefetch else 0)
+        wrapper.close()  # waits for (and undoes) the pending prefetches
+        # prefetch: every step after the first used the prefetched outputs; 2 were pending at close()
+        assert policy.calls == (2 * 8 + 2 if prefetch else groups * 8)
+        runs[name + "_streams"] = policy.streams.state()
+    assert any(r["terminated"].any() for r in runs["G1"])  # reset observations of finished envs are acted on
+    for a, b, c in zip(runs["G1"], runs["G2"], runs["G2_prefetch"]):
+        assert_same(a, b)
+        assert_same(a, c)
+    for x, y in zip(runs["G1_streams"], runs["G2_prefetch_streams"]):  # close() undid the pending prefetches
+        assert torch.equal(x, y)
+
+
+def test_explicit_actions_syncs_and_resets_cancel_prefetch() -> None:
+    runs, streams = {}, {}
+    for name, groups, prefetch in [("G1", 1, False), ("G2_prefetch", 2, True)]:
+        policy = GaussianPolicy(A, action_horizon=8, std=0.3)
+        wrapper = make_wrapper(policy, groups, prefetch)
+        runs[name] = script(wrapper, np.random.default_rng(3))
+        wrapper.close()
+        streams[name] = policy.streams.state()
+    for a, b in zip(runs["G1"], runs["G2_prefetch"]):
+        assert_same(a, b)
+    for x, y in zip(streams["G1"], streams["G2_prefetch"]):
+        assert torch.equal(x, y)
+
+
+@pytest.mark.parametrize("cancel", ["step_actions", "reset", "sync_weights", "close"])
+def test_each_cancel_path_restores_exactly_the_streams(cancel: str) -> None:
+    plain, fetched = GaussianPolicy(A, 8, std=0.3), GaussianPolicy(A, 8, std=0.3)
+    ref, env = make_wrapper(plain, 1, False), make_wrapper(fetched, 2, True)
+    for wrapper in (ref, env):
+        wrapper.reset(seed=2)
+        wrapper.step()
+    assert len(env._prefetches) == 2
+    for record in env._prefetches.values():
+        record.future.result()
+    assert not torch.equal(plain.streams.counters, fetched.streams.counters)  # the prefetches advanced them
+    for wrapper in (ref, env):
+        if cancel == "step_actions":
+            wrapper.step(np.zeros((N, C, A), np.float32))
+        elif cancel == "reset":
+            wrapper.reset()
+        elif cancel == "sync_weights":
+            wrapper.sync_weights({"std": torch.full((A,), 0.2)})
+        else:
+            wrapper.close()
+    assert not env._prefetches
+    for x, y in zip(plain.streams.state(), fetched.streams.state()):
+        assert torch.equal(x, y)
+    if cancel != "close":
+        assert_same(snapshot(ref.step()), snapshot(env.step()))
+    ref.close()
+    env.close()
+
+
+def test_weight_change_behind_the_wrapper_and_failed_prefetch_are_recomputed() -> None:
+    """A sync straight on the policy (not through the wrapper) makes the prefetched version stale; a prefetch
+    that raised is recomputed on the main thread; both leave results equal to prefetch=False."""
+    runs = {}
+    for name, groups, prefetch in [("G1", 1, False), ("G2_prefetch", 2, True)]:
+        policy = CountingGaussian(A, action_horizon=8, std=0.3)
+        wrapper = make_wrapper(policy, groups, prefetch)
+        wrapper.reset(seed=9)
+        rec = []
+        for t in range(6):
+            if t == 2:
+                policy.sync_weights({"mean": torch.full((A,), -0.25)})  # bypasses the wrapper
+            policy.fail_in_threads = t == 3  # the prefetches started in step 3 fail
+            rec.append(snapshot(wrapper.step()))
+            for record in wrapper._prefetches.values():
+                record.future.exception()  # wait, so that the flag applies to exactly these calls
+        policy.fail_in_threads = False
+        wrapper.close()
+        runs[name] = rec
+        assert policy.failures == (2 if prefetch else 0)
+    for a, b in zip(runs["G1"], runs["G2_prefetch"]):
+        assert_same(a, b)
+
+
+def test_callback_sees_no_pending_prefetch_and_results_equal() -> None:
+    seen: dict[str, list] = {"G1": [], "G2_prefetch": []}
+    runs = {}
+    for name, groups, prefetch in [("G1", 1, False), ("G2_prefetch", 2, True)]:
+        policy = GaussianPolicy(A, action_horizon=8, std=0.3)
+
+        def callback(env: PolicyVectorEnv, info: dict, name: str = name, policy: Any = policy) -> None:
+            assert not env._prefetches
+            seen[name].append(policy.streams.counters[:N].clone())
+            if len(seen[name]) == 2:
+                env.sync_weights({"mean": torch.full((A,), 1.0)})
+
+        wrapper = make_wrapper(policy, groups, prefetch, callback=callback)
+        wrapper.reset(seed=1)
+        runs[name] = [snapshot(wrapper.step()) for _ in range(4)]
+        wrapper.close()
+    for a, b in zip(runs["G1"], runs["G2_prefetch"]):
+        assert_same(a, b)
+    for x, y in zip(seen["G1"], seen["G2_prefetch"]):
+        assert torch.equal(x, y)
+
+
+# ------------------------------------------------------------------------------------------------ PI0.5
+def _tiny_pi05(seed: int) -> Pi05Policy:
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # stand-in tokenizer, no norm statistics: expected for a random policy
+        return Pi05Policy.from_config(
+            Pi05Config.tiny(),
+            action_dim=A,
+            seed=seed,
+            tokenizer="phyai-standin",
+            camera_map={"image": "base_0_rgb"},
+            state_dim=4,
+        )
+
+
+def test_tiny_pi05_prefetch_equals_one_group_across_weight_syncs() -> None:
+    """Bit for bit vs prefetch=False with the same groups; vs groups=1 too except the critic values, whose float
+    sums depend on the batch size in PI0.5 with or without prefetch (differences ~4e-9)."""
+    source, other = _tiny_pi05(seed=1), _tiny_pi05(seed=2)
+    runs, versions = {}, {}
+    for name, groups, prefetch in [("G1", 1, False), ("G2", 2, False), ("G2_prefetch", 2, True)]:
+        policy = _tiny_pi05(seed=0)
+        wrapper = make_wrapper(policy, groups, prefetch)
+        wrapper.reset(seed=3)
+        rec = [snapshot(wrapper.step()), snapshot(wrapper.step())]
+        wrapper.sync_weights(source.model, expected="all")  # through the wrapper: cancels the prefetches
+        rec.append(snapshot(wrapper.step()))
+        policy.sync_weights(other.model, expected="all")  # behind it: the version check discards the prefetches
+        rec.append(snapshot(wrapper.step()))
+        rec.append(snapshot(wrapper.step()))
+        versions[name] = [wrapper.last_output.header.weight_version, policy.weight_version]
+        wrapper.close()
+        runs[name] = (rec, policy.streams.state())
+    assert versions["G1"] == versions["G2"] == versions["G2_prefetch"] == [2, 2]
+    assert (runs["G1"][0][1]["policy"]["log_prob"] != 0).all()  # stochastic: the streams matter
+    for a, b, c in zip(runs["G1"][0], runs["G2"][0], runs["G2_prefetch"][0]):
+        assert_same(b, c)
+        for key in ("values", "final_value"):
+            torch.testing.assert_close(a["policy"].pop(key), c["policy"].pop(key), rtol=0, atol=1e-6)
+        assert_same(a, c)
+    for x, y in zip(runs["G1"][1], runs["G2_prefetch"][1]):
+        assert torch.equal(x, y)
+
+
+# ------------------------------------------------------------------------------------------------ errors, threads
+def test_prefetch_refuses_policy_without_stream_table() -> None:
+    with pytest.raises(TypeError, match=r"`prefetch=True` needs a policy with a restorable random-stream table"):
+        make_wrapper(ConstantPolicy([0.0] * A, action_horizon=C), 2, True)
+
+
+def test_no_thread_leak_after_close() -> None:
+    before = {t.ident for t in threading.enumerate()}
+    for _ in range(3):
+        wrapper = make_wrapper(GaussianPolicy(A, 8), 2, True)
+        wrapper.reset(seed=0)
+        wrapper.step()
+        wrapper.step()
+        wrapper.close()
+    leaked = [t.name for t in threading.enumerate() if t.ident not in before]
+    assert leaked == []

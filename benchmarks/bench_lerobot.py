@@ -33,6 +33,7 @@ on. Rows are appended and flushed as they are produced, so a run cut short keeps
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import re
@@ -98,23 +99,20 @@ def make_config(device: str, dtype: str, image_size: int):
     )
 
 
-def build_model(device: str, dtype: str, small: bool):
-    """LeRobot PI05Pytorch: the published geometry, or the small one by substituting module-level names."""
-    import torch
+@contextlib.contextmanager
+def small_lerobot_geometry(geom: dict):
+    """While active, LeRobot's PI05Pytorch builds with the small geometry `geom` (LeRobot has no size options).
+
+    Substitutes the module-level lookups construction uses (`get_gemma_config`, the PaliGemma and expert
+    classes) and restores them on exit. `geom` = {"vision": {...}, "llm": {...}, "expert": {...}, "vocab_size"}.
+    Shared with tests/fixtures/lerobot/make_fixture.py.
+    """
     from lerobot.policies.pi05 import modeling_pi05 as m
 
-    if not small:
-        cfg = make_config(device, dtype, FULL_IMAGE_SIZE)
-        with torch.device(device):
-            model = m.PI05Pytorch(cfg)
-        return model.eval()
-
-    geom = SMALL_GEOMETRY
-    v = geom["vision"]
-    cfg = make_config(device, dtype, v["image_size"])
     orig_pali = m.PaliGemmaForConditionalGenerationWithPiGemma
     orig_expert = m.PiGemmaForCausalLM
     orig_get = m.get_gemma_config
+    v = geom["vision"]
 
     def small_gemma_config(variant: str):
         return m.GemmaConfig(**{"gemma_2b": geom["llm"], "gemma_300m": geom["expert"]}[variant])
@@ -140,12 +138,27 @@ def build_model(device: str, dtype: str, small: bool):
     m.PaliGemmaForConditionalGenerationWithPiGemma = small_pali
     m.PiGemmaForCausalLM = small_expert
     try:
-        with torch.device(device):
-            model = m.PI05Pytorch(cfg)
+        yield
     finally:
         m.get_gemma_config = orig_get
         m.PaliGemmaForConditionalGenerationWithPiGemma = orig_pali
         m.PiGemmaForCausalLM = orig_expert
+
+
+def build_model(device: str, dtype: str, small: bool):
+    """LeRobot PI05Pytorch: the published geometry, or the small one by substituting module-level names."""
+    import torch
+    from lerobot.policies.pi05 import modeling_pi05 as m
+
+    if not small:
+        cfg = make_config(device, dtype, FULL_IMAGE_SIZE)
+        with torch.device(device):
+            model = m.PI05Pytorch(cfg)
+        return model.eval()
+
+    cfg = make_config(device, dtype, SMALL_GEOMETRY["vision"]["image_size"])
+    with small_lerobot_geometry(SMALL_GEOMETRY), torch.device(device):
+        model = m.PI05Pytorch(cfg)
     return model.eval()
 
 

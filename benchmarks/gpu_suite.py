@@ -262,6 +262,26 @@ def section_processor(out: Path) -> None:
     bench_processor.run(out / "gpu_results.jsonl", device="cuda")
 
 
+def section_profile(out: Path) -> None:
+    """Per-kernel time of the prefix and denoise replays, by category (where the time goes)."""
+    from benchmarks import profile_policy
+
+    profile_policy.run(out / "gpu_results.jsonl")
+
+
+def section_broadcast(out: Path) -> None:
+    """Rank 0 -> rank 1 weight broadcast against raw NCCL (needs 2 GPUs; torchrun in a subprocess)."""
+    if torch.cuda.device_count() < 2:
+        _emit(out, {"section": "broadcast", "status": f"not run: {torch.cuda.device_count()} GPU(s), needs 2"})
+        return
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2",
+           "benchmarks/bench_broadcast.py", "--out", str(out / "gpu_results.jsonl")]
+    proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=300)
+    (out / "broadcast.log").write_text(proc.stdout + proc.stderr)
+    if proc.returncode != 0:
+        raise RuntimeError(f"torchrun exited {proc.returncode}; see broadcast.log")
+
+
 SECTIONS = {
     "tests": section_tests,
     "model": section_model,
@@ -274,6 +294,8 @@ SECTIONS = {
     "wrapper": section_wrapper,
     "soak": section_soak,
     "processor": section_processor,
+    "profile": section_profile,
+    "broadcast": section_broadcast,
 }
 
 

@@ -1,0 +1,136 @@
+"""Where the time of a policy call goes: per-kernel CUDA time of the prefix and denoise replays, by category.
+
+    python benchmarks/profile_policy.py --out $OUT        # on a GPU
+
+For the C8 cases at a few batch sizes, the prefix and denoise graphs are replayed under `torch.profiler`
+(CUPTI records the kernels of a graph replay individually). Kernels are grouped into GEMM, attention,
+normalisation, elementwise, copy and other; each row gives the kernel count per replay, the summed kernel
+time, the wall time of the replay, and the ten most expensive kernels. If the profiler sees no kernels inside
+the replays (older CUPTI), the same stage runs eagerly on the same buffers instead and the row says so.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from collections import defaultdict
+from pathlib import Path
+
+import torch
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+from benchmarks.bench_policy import CASES, build_policy, env_row, make_inputs  # noqa: E402
+from policies.pi05.config import Pi05Config  # noqa: E402
+
+CATEGORIES = (
+    ("attention", ("sdpa", "flash", "fmha", "attention", "softmax")),
+    ("gemm", ("gemm", "cutlass", "xmma", "nvjet", "wgmma", "cublas", "splitk", "sm90_", "sm80_")),
+    ("norm", ("norm",)),
+    ("copy", ("copy", "memcpy", "memset", "cat", "index")),
+    ("elementwise", ("elementwise", "vectorized", "unrolled", "reduce", "triton")),
+)
+
+
+def category(name: str) -> str:
+    """Coarse class of a kernel from its name."""
+    low = name.lower()
+    for label, keys in CATEGORIES:
+        if any(k in low for k in keys):
+            return label
+    return "other"
+
+
+def _kernel_events(prof) -> list:
+    return [e for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA]
+
+
+def profile_stage(run, reps: int = 5) -> dict:
+    """Profile `reps` calls of `run()`; per-call kernel count, summed kernel time and top kernels."""
+    from torch.profiler import ProfilerActivity, profile
+
+    for _ in range(2):
+        run()
+    torch.cuda.synchronize()
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    for _ in range(reps):
+        run()
+    end.record()
+    torch.cuda.synchronize()
+    wall_ms = start.elapsed_time(end) / reps
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        for _ in range(reps):
+            run()
+        torch.cuda.synchronize()
+    events = _kernel_events(prof)
+    by_cat: dict[str, float] = defaultdict(float)
+    by_name: dict[str, list[float]] = defaultdict(lambda: [0.0, 0])
+    for e in events:
+        us = e.device_time_total if hasattr(e, "device_time_total") else e.cuda_time_total
+        by_cat[category(e.name)] += us / reps
+        by_name[e.name][0] += us / reps
+        by_name[e.name][1] += 1 / reps
+    top = sorted(by_name.items(), key=lambda kv: -kv[1][0])[:12]
+    return {
+        "wall_ms": wall_ms,
+        "kernels_per_call": len(events) / reps,
+        "kernel_ms": sum(by_cat.values()) / 1e3,
+        "by_category_ms": {k: round(v / 1e3, 3) for k, v in sorted(by_cat.items(), key=lambda kv: -kv[1])},
+        "top": [{"name": n[:140], "ms": round(v[0] / 1e3, 3), "count": round(v[1], 1)} for n, v in top],
+    }
+
+
+def _runner(sched, stage: str, key: tuple, graphs: bool):
+    """A no-argument call of one stage: its graph replay, or its eager body on the same static buffers."""
+    if graphs:
+        return (lambda: sched._run_prefix(*key)) if stage == "prefix" else (lambda: sched._run_denoise(*key))
+    body = sched._prefix_stage if stage == "prefix" else sched._denoise_stage
+
+    def eager() -> None:
+        with torch.no_grad():
+            body(*key)
+
+    return eager
+
+
+def run(out: Path, plan=(("a", (1, 64)), ("b", (1, 64)))) -> list[dict]:
+    """Profile the prefix and denoise replays of each (case, batches); append rows to `out` (JSONL)."""
+    rows = []
+    config = Pi05Config.pi05_base()
+    for name, batches in plan:
+        case = CASES[name]
+        policy, _ = build_policy(case, batches, config, "ode", "none")
+        sched = policy.scheduler
+        opts = policy.sampling_options(deterministic=True)
+        for n in batches:
+            inputs = make_inputs(n, case["cams"], case["prompt"], config.vision.image_size, policy.device)
+            seeds = torch.arange(n, device=policy.device)
+            b, length, cams = sched.bucket_for(n), sched.prompt_bucket_for(case["prompt"]), tuple(case["cams"])
+            sched._load(inputs, seeds, seeds * 0, opts, b, length)
+            for stage in ("prefix", "denoise"):
+                key = (b, length, cams) if stage == "prefix" else (b, length, cams, case["num_steps"])
+                result = profile_stage(_runner(sched, stage, key, graphs=True))
+                mode = "graph replay"
+                if result["kernels_per_call"] == 0:  # the profiler did not see inside the graph
+                    result = profile_stage(_runner(sched, stage, key, graphs=False))
+                    mode = "eager stage on the same buffers (graph kernels not visible to the profiler)"
+                row = {**env_row(), "bench": "profile", "case": name, "batch": n, "stage": stage, "mode": mode,
+                       **result}
+                rows.append(row)
+                print(json.dumps(row), flush=True)
+                with out.open("a") as f:
+                    f.write(json.dumps(row) + "\n")
+        del policy
+        torch.cuda.empty_cache()
+    return rows
+
+
+if __name__ == "__main__":
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--out", type=Path, required=True)
+    args = parser.parse_args()
+    args.out.mkdir(parents=True, exist_ok=True)
+    run(args.out / "profile.jsonl")

@@ -200,6 +200,49 @@ def run(out_path: str | Path, config_name: str = "base", iters: int = 10) -> lis
     return rows
 
 
+def profile_sync(out_path: str | Path, config_name: str = "base", reps: int = 3) -> list[dict[str, Any]]:
+    """Where a sync's time goes: torch.profiler over `reps` syncs of the expert set from GPU and pinned sources.
+
+    Rows give the wall time per sync, the GPU busy time per sync (kernels + copies), and the top host ops by
+    self CPU time and top GPU activities, so host overhead and GPU work can be told apart.
+    """
+    from torch.profiler import ProfilerActivity, profile
+
+    device = torch.device("cuda")
+    policy = build_policy(config_name, device)
+    params = {n: p.detach() for n, p in policy.trainable_parameters()}
+    sources = {"device": _flat_copy(params, device, pin=False), "pinned_host": _flat_copy(params, "cpu", pin=True)}
+    rows = []
+    for name, source in sources.items():
+        for _ in range(2):
+            policy.sync_weights(source)
+        torch.cuda.synchronize()
+        with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+            start = time.perf_counter()
+            for _ in range(reps):
+                policy.sync_weights(source)
+                torch.cuda.synchronize()
+            wall = (time.perf_counter() - start) * 1e3 / reps
+        events = prof.key_averages()
+        cpu = sorted(events, key=lambda e: -e.self_cpu_time_total)[:15]
+        gpu = sorted(events, key=lambda e: -getattr(e, "self_device_time_total", 0))[:10]
+        gpu_busy = sum(getattr(e, "self_device_time_total", 0) for e in events) / 1e3 / reps
+        rows.append({
+            "bench": "weight_sync_profile", "config": config_name, "gpu": torch.cuda.get_device_name(),
+            "torch": torch.__version__, "commit": _git_commit(), "source": name, "subset": "expert",
+            "wall_ms_per_sync": round(wall, 3), "gpu_busy_ms_per_sync": round(gpu_busy, 3),
+            "top_cpu": [{"op": e.key[:80], "self_ms": round(e.self_cpu_time_total / 1e3 / reps, 3),
+                         "calls": e.count // reps} for e in cpu],
+            "top_gpu": [{"op": e.key[:80], "ms": round(getattr(e, "self_device_time_total", 0) / 1e3 / reps, 3),
+                         "calls": e.count // reps} for e in gpu],
+        })  # fmt: skip
+    policy.close()
+    with Path(out_path).open("a") as handle:
+        for row in rows:
+            handle.write(json.dumps(row) + "\n")
+    return rows
+
+
 def host_overhead_config() -> Pi05Config:
     """pi05_base's tensor count and names (depths 18 / 18 / 27) at tiny sizes (a 1,024-row vocabulary)."""
     tiny = Pi05Config.tiny()

@@ -250,6 +250,7 @@ def section_sync(out: Path) -> None:
         _emit(out, {"section": "sync", "status": f"not run: {err}"})
         return
     bench_weight_sync.run(out / "gpu_results.jsonl", "base")
+    bench_weight_sync.profile_sync(out / "gpu_results.jsonl", "base")
 
 
 def section_processor(out: Path) -> None:
@@ -266,6 +267,7 @@ def section_profile(out: Path) -> None:
     """Per-kernel time of the prefix and denoise replays, by category (where the time goes)."""
     from benchmarks import profile_policy
 
+    profile_policy.attention_crossover(out / "gpu_results.jsonl")
     profile_policy.run(out / "gpu_results.jsonl")
 
 

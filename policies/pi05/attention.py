@@ -1,8 +1,16 @@
-"""Attention backends (eager reference, PyTorch SDPA, flash-attn) chosen per call site.
+"""Attention backends (eager reference, PyTorch SDPA, flash-attn, folded-MQA GEMMs) chosen per call site.
 
 Every PI0.5 attention is either unmasked (SigLIP) or masked by *key validity* only (prefix: bidirectional over
 valid tokens; suffix: valid prefix keys plus all action tokens). So one signature serves all sites:
 ``attend(q (B, Nh, T, hd), k (B, Nkv, S, hd), v, key_mask (B, S) bool | None, scale)``.
+
+The "gemm" backend serves the denoise loop: a few action tokens against a long prefix cache, with one K/V head.
+There the fused attention kernels launch one tile of queries per (batch, head) and walk the whole cache
+sequentially (about 56 us per call at batch 1 on an H200, most of the denoise time). Folding the query heads
+that share the K/V head into rows makes attention two batched GEMMs and a softmax over (B, Nh*T, S) scores:
+float32 scores (bf16 operands, float32 accumulation and output on CUDA), float32 softmax, probabilities cast
+to the value dtype for the second GEMM. Where it does not apply (several K/V heads, autograd, very large score
+tensors) it falls back to SDPA.
 
 Query rows of padded tokens are never read downstream; the additive mask uses a large *finite* negative
 (-2.3819763e38, as openpi/LeRobot) so such rows stay finite (uniform attention) instead of NaN.
@@ -27,7 +35,7 @@ import torch.nn.functional as F
 MASK_VALUE = -2.3819763e38
 """Additive mask value for disallowed keys (finite, as openpi and LeRobot)."""
 
-BACKENDS = ("eager", "sdpa", "flash")
+BACKENDS = ("eager", "sdpa", "flash", "gemm")
 SITES = ("vision", "prefix", "expert")
 
 
@@ -70,6 +78,47 @@ def _sdpa(q, k, v, key_mask, scale):
     return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale, enable_gqa=groups > 1)
 
 
+GEMM_MAX_SCORES = 1 << 23
+"""Above this many score elements (B * Nh * T * S) the "gemm" backend hands over to SDPA: the float32 score
+tensor's memory traffic then outweighs the fused kernel's poor occupancy (measured crossover, benchmarks/README)."""
+
+_OUT_DTYPE_OK: dict[str, bool] = {}  # device type -> whether bmm/baddbmm accept out_dtype for half operands
+
+
+def _scores_fp32(q: torch.Tensor, kt: torch.Tensor, mask: torch.Tensor, scale: float) -> torch.Tensor:
+    """Scores `mask + scale * q @ kt` in float32: half operands with float32 output where the device supports it."""
+    if q.dtype in (torch.float16, torch.bfloat16) and _OUT_DTYPE_OK.get(q.device.type, q.is_cuda):
+        try:
+            return torch.baddbmm(mask, q, kt, alpha=scale, out_dtype=torch.float32)
+        except (RuntimeError, TypeError, NotImplementedError):
+            _OUT_DTYPE_OK[q.device.type] = False  # decided on the first (eager, pre-capture) call
+    work = torch.float64 if q.dtype == torch.float64 else torch.float32
+    return torch.baddbmm(mask.to(work), q.to(work), kt.to(work), alpha=scale)
+
+
+def _gemm(q, k, v, key_mask, scale):
+    b, n, t, hd = q.shape
+    s = k.shape[2]
+    needs_grad = torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad)
+    if k.shape[1] != 1 or needs_grad or b * n * t * s > GEMM_MAX_SCORES:
+        return _sdpa(q, k, v, key_mask, scale)
+    # Rows are (token, head) when q is token-major in memory (the projection's layout), else (head, token); the
+    # output keeps that layout, so the o-projection's reshape of a token-major result is free.
+    token_major = q.stride(1) < q.stride(2)
+    rows = q.transpose(1, 2).reshape(b, t * n, hd) if token_major else q.reshape(b, n * t, hd)
+    if key_mask is None:
+        mask = torch.zeros(b, 1, s, dtype=torch.float32, device=q.device)
+    elif key_mask.dtype == torch.bool:
+        mask = additive_mask(key_mask, torch.float32)[:, 0]
+    else:
+        mask = key_mask.reshape(b, 1, s).float()
+    scores = _scores_fp32(rows, k[:, 0].transpose(1, 2), mask.expand(b, rows.shape[1], s), scale)
+    out = torch.bmm(torch.softmax(scores, dim=-1).to(v.dtype), v[:, 0])  # (B, rows, hd)
+    if token_major:
+        return out.view(b, t, n, hd).transpose(1, 2)
+    return out.view(b, n, t, hd)
+
+
 def _flash(q, k, v, key_mask, scale):
     from flash_attn import flash_attn_func  # optional dependency, imported lazily
 
@@ -94,15 +143,18 @@ def attend(
         return _sdpa(q, k, v, key_mask, scale)
     if backend == "flash":
         return _flash(q, k, v, key_mask, scale)
+    if backend == "gemm":
+        return _gemm(q, k, v, key_mask, scale)
     return _eager(q, k, v, key_mask, scale)
 
 
 @dataclass
 class AttentionConfig:
-    """Which backend each call site asks for: "auto", "eager", "sdpa" or "flash".
+    """Which backend each call site asks for: "auto", "eager", "sdpa", "flash" or "gemm".
 
     "auto" takes flash-attn where it is importable, on CUDA, in a half dtype and for an unmasked site
-    (vision), and SDPA everywhere else. A request that cannot be served falls back (flash -> sdpa) and
+    (vision), "gemm" for the expert on CUDA (short query blocks against the prefix cache), and SDPA everywhere
+    else. A request that cannot be served falls back (flash -> sdpa) and
     the fallback is recorded in `AttentionPlan.reasons`.
 
     Example:
@@ -135,7 +187,9 @@ class AttentionConfig:
             flash_ok = has_flash and device.type == "cuda" and dtype in (torch.float16, torch.bfloat16)
             if want == "auto":
                 choice = "flash" if (flash_ok and site == "vision") else "sdpa"
-                if not has_flash:
+                if site == "expert" and device.type == "cuda":
+                    choice = "gemm"
+                elif not has_flash:
                     plan.reasons[site] = "auto: flash-attn not installed (not run); using sdpa"
             elif want == "flash" and not (flash_ok and site == "vision"):
                 choice = "sdpa"

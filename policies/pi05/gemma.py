@@ -12,6 +12,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from .config import GemmaConfig
+from .kernels import geglu
 
 Modulation = tuple[torch.Tensor, torch.Tensor, torch.Tensor]
 """(1 + scale, shift, gate), each (B or 1, 1, width), broadcast over tokens (precomputed per step at setup)."""
@@ -156,7 +157,7 @@ class GemmaAttentionProj(nn.Module):
 
 
 class GemmaMLP(nn.Module):
-    """GeGLU: down(gelu_tanh(gate(x)) * up(x))."""
+    """GeGLU: down(gelu_tanh(gate(x)) * up(x)); the activation and product are one fused kernel on CUDA."""
 
     def __init__(self, cfg: GemmaConfig) -> None:
         super().__init__()
@@ -172,8 +173,8 @@ class GemmaMLP(nn.Module):
         """(..., width) -> (..., width); `fused` = `fused_weight()` runs gate and up as one GEMM."""
         if fused is not None:
             gate, up = F.linear(x, fused).chunk(2, dim=-1)
-            return self.down_proj(F.gelu(gate, approximate="tanh") * up)
-        return self.down_proj(F.gelu(self.gate_proj(x), approximate="tanh") * self.up_proj(x))
+            return self.down_proj(geglu(gate, up))
+        return self.down_proj(geglu(self.gate_proj(x), self.up_proj(x)))
 
 
 class GemmaLayer(nn.Module):

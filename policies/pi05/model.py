@@ -271,7 +271,8 @@ class Pi05Model(nn.Module):
             positions = cache.num_valid[:, None] + torch.arange(h, device=x_t.device)[None, :]
             cache.suffix_rope = rope_cos_sin(positions, cfg.head_dim, cfg.rope_theta, x.dtype)
             valid = torch.cat([cache.key_mask, torch.ones(b, h, dtype=torch.bool, device=x_t.device)], dim=1)
-            cache.suffix_mask = additive_mask(valid, x.dtype)
+            # the "gemm" backend adds the mask to float32 scores; the fused kernels take it in the compute dtype
+            cache.suffix_mask = additive_mask(valid, torch.float32 if self.plan.expert == "gemm" else x.dtype)
         cos, sin = cache.suffix_rope
         key_mask = cache.suffix_mask
         scale = cfg.head_dim**-0.5

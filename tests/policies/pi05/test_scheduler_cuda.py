@@ -170,3 +170,41 @@ def test_state_in_prompt_step_with_gpu_state_has_no_host_sync(standin_tokenizer)
     host = policy.processor({k: ({c: v.cpu() for c, v in obs["images"].items()} if k == "images" else
                                  (v.cpu() if torch.is_tensor(v) else v)) for k, v in obs.items()})
     assert torch.equal(out.inputs.tokens.cpu(), host.tokens.cpu())  # device-built prompt == host tokenisation
+
+
+def test_gemm_attention_on_cuda_uses_float32_scores_and_matches_sdpa():
+    from policies.pi05 import attention
+
+    g = torch.Generator(device="cuda").manual_seed(0)
+    q = torch.randn(4, 50, 8, 256, device="cuda", generator=g).transpose(1, 2).bfloat16()  # token-major
+    k = torch.randn(4, 1, 1018, 256, device="cuda", generator=g).bfloat16()
+    v = torch.randn(4, 1, 1018, 256, device="cuda", generator=g).bfloat16()
+    mask = torch.rand(4, 1018, device="cuda", generator=g) > 0.3
+    with torch.no_grad():
+        out = attention.attend(q, k, v, mask, 256**-0.5, "gemm")
+        ref = attention.attend(q.float(), k.float(), v.float(), mask, 256**-0.5, "eager")
+        sdpa = attention.attend(q, k, v, mask, 256**-0.5, "sdpa")
+    assert attention._OUT_DTYPE_OK.get("cuda", True), "baddbmm(out_dtype=float32) was refused on CUDA"
+    err_gemm = (out.float() - ref).abs().max().item()
+    err_sdpa = (sdpa.float() - ref).abs().max().item()
+    assert err_gemm <= max(2 * err_sdpa, 1e-2), (err_gemm, err_sdpa)
+
+
+@pytest.mark.parametrize("cols", [4096, 4304, 16384])
+def test_fused_geglu_matches_pytorch(cols, monkeypatch):
+    pytest.importorskip("triton")
+    from policies.pi05 import kernels
+
+    g = torch.Generator(device="cuda").manual_seed(cols)
+    y = (torch.randn(3, 37, 2 * cols, device="cuda", generator=g) * 4).bfloat16()
+    y[0, 0, :8] = torch.tensor([-1e4, -50.0, -10.0, -1e-3, 0.0, 1e-3, 10.0, 1e4])  # saturation, no NaN
+    gate, up = y.chunk(2, dim=-1)  # strided views of the fused GEMM output, as in the expert
+    with torch.no_grad():
+        fused = kernels.geglu(gate, up)
+        ref = torch.nn.functional.gelu(gate.float(), approximate="tanh") * up.float()
+    assert fused.dtype == torch.bfloat16 and fused.shape == gate.shape and torch.isfinite(fused).all()
+    # rounded once from float32: within one bf16 ulp of the float32 formula (PyTorch's two kernels round twice)
+    assert ((fused.float() - ref).abs() <= ref.abs() * 2**-8 + 1e-6).all()
+    monkeypatch.setattr(kernels, "_HAS_TRITON", False)
+    plain = kernels.geglu(gate, up)
+    assert ((plain.float() - ref).abs() <= ref.abs() * 2**-7 + 1e-6).all()

@@ -110,8 +110,9 @@ def sdpa_kernels(model) -> dict:
 def section_policy(out: Path) -> None:
     """C8 sweeps: (a) 3 cameras / 200 tokens / K=10 / H=50 and (b) the LIBERO RL setting."""
     batches = [1, 2, 4, 8, 16, 32, 64, 128]
-    bench_case("a", batches, out / "gpu_results.jsonl", method="ode", value_source="none")
-    bench_case("b", [1, 2, 4, 8, 16, 32, 40, 64, 128], out / "gpu_results.jsonl", method="ode", value_source="none")
+    bench_case("a", batches, out / "gpu_results.jsonl", method="ode", value_source="none", iters=10)
+    bench_case("b", [1, 2, 4, 8, 16, 32, 40, 64, 128], out / "gpu_results.jsonl", method="ode", value_source="none",
+               iters=10)
 
 
 def section_rollout(out: Path) -> None:

@@ -78,9 +78,10 @@ def _sdpa(q, k, v, key_mask, scale):
     return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale, enable_gqa=groups > 1)
 
 
-GEMM_MAX_SCORES = 1 << 23
+GEMM_MAX_SCORES = 1 << 22
 """Above this many score elements (B * Nh * T * S) the "gemm" backend hands over to SDPA: the float32 score
-tensor's memory traffic then outweighs the fused kernel's poor occupancy (measured crossover, benchmarks/README)."""
+tensor's memory traffic then outweighs the fused kernel's poor occupancy. Measured on an H200 (graph-captured,
+per call, SDPA vs gemm): 407k scores 56 vs 24 us, 2.9M 161 vs 64 us, 3.3M 58 vs 58 us, 6.5M 66 vs 99 us."""
 
 _OUT_DTYPE_OK: dict[str, bool] = {}  # device type -> whether bmm/baddbmm accept out_dtype for half operands
 

@@ -323,6 +323,8 @@ class WeightSyncMixin:
         materialised, instead of refusing them in validation.
         """
         staged, group, group_bytes = 0, [], 0
+        # the first groups are small so the first copies start early; then up to the bounds
+        limit_tensors, limit_bytes = 8, 16 << 20
         params, expected_set = txn.params, txn.expected_set
         try:
             for name, value in pairs:
@@ -335,9 +337,11 @@ class WeightSyncMixin:
                 nbytes = tensor.numel() * tensor.element_size()
                 group.append((name, ours, tensor, nbytes))
                 group_bytes += nbytes
-                if len(group) >= _GROUP_TENSORS or group_bytes >= _GROUP_BYTES:
+                if len(group) >= limit_tensors or group_bytes >= limit_bytes:
                     staged += self._stage(txn, group)
                     group, group_bytes = [], 0
+                    limit_tensors = min(2 * limit_tensors, _GROUP_TENSORS)
+                    limit_bytes = min(2 * limit_bytes, _GROUP_BYTES)
             staged += self._stage(txn, group)
         except WeightSyncStateError:
             raise

@@ -102,7 +102,7 @@ class Args:
     """stop the epochs of an update early above this approx-KL"""
     # Reporting
     eval_episodes: int = 256
-    """episodes of the final success-rate measurement (stochastic and deterministic)"""
+    """episodes of the final success-rate measurement (stochastic and deterministic); 0 skips it"""
     csv: str | None = "ppo_curve.csv"
     """learning curve CSV (None: do not write)"""
     quiet: bool = False
@@ -345,6 +345,8 @@ def train(args: Args) -> dict:
     # ---- final success rates of the trained rollout policy ----------------------------------------
     final = {
         mode: success_rate(envs, args.eval_episodes, deterministic=mode == "deterministic", seed=args.seed + 10_000)
+        if args.eval_episodes > 0
+        else float("nan")
         for mode in ("stochastic", "deterministic")
     }
     envs.close()

@@ -469,14 +469,16 @@ def bench_overlap(
     serial: bool = True,
     prefetch: bool = True,
     check_equal: bool = True,
+    device: str | torch.device = "cpu",
+    config_name: str = "tiny",
 ) -> dict[str, Any]:
     """One overlap row: G=1 vs G in `group_counts`, G=2 with ``prefetch=True`` (and G=2 run serially) on the same
-    total N, interleaved."""
-    device = torch.device("cpu")
+    total N, interleaved. ``policy_kind="pi05"`` runs PI0.5 of `config_name` on `device` (CUDA graphs on a GPU)."""
+    device = torch.device(device)
     probe_groups = [make_pusher_group(num_envs // 2, context) for _ in range(2)]
     if policy_kind == "pi05":
         inner: Any = build_pi05(
-            "tiny", device, {"image": "base_0_rgb"}, [num_envs // 2, num_envs], num_steps, 10, chunk, state_dim=23
+            config_name, device, {"image": "base_0_rgb"}, [num_envs // 2, num_envs], num_steps, 10, chunk, state_dim=23
         )
         alone = _alone_times(probe_groups, inner, chunk, iters=4)
     elif policy_kind == "emulated":
@@ -554,7 +556,9 @@ def bench_overlap(
             "env": "Pusher-v5 224x224 rgb_array, AsyncVectorEnv (1 subprocess per env)",
             "mujoco_gl": os.environ.get("MUJOCO_GL"),
             "mp_context": context or "default (fork)",
-            "policy": policy_kind if policy_kind == "emulated" else f"pi05 tiny fp32, K={num_steps}, method=sde",
+            "policy": policy_kind
+            if policy_kind == "emulated"
+            else f"pi05 {config_name} {inner.model.compute_dtype}, K={num_steps}, method=sde, {device.type}",
             "ms_per_sample": ms_per_sample,
             "num_envs": num_envs,
             "action_chunk": chunk,
@@ -690,6 +694,8 @@ def main() -> None:
                 serial=not args.no_serial,
                 prefetch=not args.no_prefetch,
                 check_equal=not args.no_check,
+                device=device,
+                config_name=args.config or ("base" if device.type == "cuda" else "tiny"),
             )
             emit([row], args.out)
 

@@ -243,6 +243,20 @@ def section_wrapper(out: Path) -> None:
     bench_wrapper.run(out / "gpu_results.jsonl", "cuda", cameras=(3,), iters=10)
 
 
+def section_overlap(out: Path) -> None:
+    """Env/policy overlap on the GPU: full-size PI0.5 (CUDA graphs) + Pusher-v5 rendered with EGL in subprocesses,
+    G=1 vs G=2 vs G=2 with prefetch (needs mujoco and EGL on the machine)."""
+    import os
+
+    from benchmarks import bench_wrapper
+
+    os.environ.setdefault("MUJOCO_GL", "egl")
+    for chunk in (10, 4):
+        row = bench_wrapper.bench_overlap("pi05", 16, chunk, steps=4, rounds=2, context="forkserver", num_steps=5,
+                                          check_equal=False, device="cuda", config_name="base")
+        bench_wrapper.emit([row], out / "gpu_results.jsonl")
+
+
 def section_sync(out: Path) -> None:
     """Weight-sync benchmarks (in-process, pinned host)."""
     try:
@@ -299,6 +313,7 @@ SECTIONS = {
     "processor": section_processor,
     "profile": section_profile,
     "broadcast": section_broadcast,
+    "overlap": section_overlap,
 }
 
 

@@ -170,18 +170,25 @@ class _Transaction:
 
 
 def _copy_all(dsts: list[torch.Tensor], srcs: list[torch.Tensor], non_blocking: bool) -> None:
-    """dst.copy_(src) for every pair; same-device same-dtype pairs in one multi-tensor call."""
-    fast_d, fast_s, slow = [], [], []
+    """dst.copy_(src) for every pair; same-device same-dtype pairs in one multi-tensor call per dtype.
+
+    The fused CUDA route of `_foreach_copy_` needs one dtype across the whole list; a mixed list (bf16 blocks
+    and float32 islands) falls back to one copy per tensor, so the pairs are grouped by (device, dtype).
+    """
+    groups: dict[tuple[torch.device, torch.dtype], tuple[list[torch.Tensor], list[torch.Tensor]]] = {}
+    slow = []
     for d, s in zip(dsts, srcs):
         if d.device == s.device and d.dtype == s.dtype:
-            fast_d.append(d)
-            fast_s.append(s)
+            gd, gs = groups.setdefault((d.device, d.dtype), ([], []))
+            gd.append(d)
+            gs.append(s)
         else:
             slow.append((d, s))
-    if fast_d and hasattr(torch, "_foreach_copy_"):
-        torch._foreach_copy_(fast_d, fast_s, non_blocking=non_blocking)
-    else:
-        slow = list(zip(fast_d, fast_s)) + slow
+    for gd, gs in groups.values():
+        if hasattr(torch, "_foreach_copy_"):
+            torch._foreach_copy_(gd, gs, non_blocking=non_blocking)
+        else:
+            slow += zip(gd, gs)
     for d, s in slow:
         d.copy_(s, non_blocking=non_blocking)
 

@@ -10,8 +10,12 @@ so it runs on gloo (CPU) and NCCL (GPU) alike.
    UTF-8 names as one uint8 tensor. Each rank with a policy opens an update and checks the manifest against
    its model (names, shapes, duplicates, the expected set complete, the version increasing).
    Vote 1: all_reduce(MIN) of (ok, -version, failed rank); a refusal aborts everywhere before any data moves.
-3. Buckets: the payload (each tensor's bytes at a 16-byte aligned offset) in windows of `bucket_bytes`,
-   broadcast as uint8 and staged into the open update; a tensor spanning windows is assembled first.
+3. Buckets: the payload is laid out per dtype (one region per dtype, 16-byte aligned, tensors packed back to
+   back in manifest order inside it) and sent in windows of at most `bucket_bytes` that never cross a region.
+   A rank whose staging buffer for that dtype holds exactly the region's tensors in the same order (the usual
+   case: the same model class on both sides, same dtype) receives the windows straight into that buffer; any
+   other rank receives into a temporary window and stages the tensors from it (a tensor spanning windows is
+   assembled first).
 4. Each rank validates (finite values, completeness). Vote 2 decides: every rank commits with the same
    version (the given one, else the largest current version + 1), or every rank aborts and keeps its own.
 
@@ -22,6 +26,7 @@ refuses to serve until a complete update (see `weight_sync`).
 
 from __future__ import annotations
 
+import bisect
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -31,7 +36,7 @@ import torch
 import torch.distributed as dist
 
 from .checkpoint import to_internal_name
-from .weight_sync import WeightSource, WeightSyncError, WeightUpdateReport, materialize, source_pairs
+from .weight_sync import WeightSource, WeightSyncError, WeightUpdateReport, _copy_all, materialize, source_pairs
 
 if TYPE_CHECKING:
     from .policy import Pi05Policy
@@ -39,7 +44,7 @@ if TYPE_CHECKING:
 DEFAULT_BUCKET_BYTES = 64 << 20
 """Payload bytes per broadcast."""
 _MAGIC = 0x5049_3035  # "PI05"
-_PROTOCOL = 1
+_PROTOCOL = 2
 _ALIGN = 16
 _HEADER = 10
 _DTYPES = (
@@ -64,7 +69,7 @@ class _Entry:
     name: str
     shape: tuple[int, ...]
     dtype: torch.dtype
-    offset: int  # payload byte offset (16-byte aligned)
+    offset: int  # payload byte offset (regions per dtype, 16-byte aligned; packed inside a region)
     nbytes: int
     value: Any = None  # source rank only: the tensor (or DTensor), materialised when its bytes are packed
 
@@ -141,7 +146,7 @@ def broadcast_weights(
                     sum(map(len, encoded)),
                     total,
                     bucket,
-                    -(-total // bucket),
+                    len(_windows(entries, bucket)),
                     -1 if version is None else int(version),
                     dims,
                 ]
@@ -197,24 +202,40 @@ def broadcast_weights(
 
     # ---- 2. buckets
     ok_local = error is None
+    windows = _windows(entries, bucket)
+    if len(windows) != num_buckets:
+        raise WeightSyncError(
+            f"broadcast_weights: rank {src} announced {num_buckets} buckets, the manifest gives {len(windows)}; "
+            "run the same phyai-gym version on every rank."
+        )
+    direct: dict[int, tuple[torch.Tensor, int]] = {}  # region start -> (staging buffer as bytes, region start)
+    direct_names: list[str] = []
     try:
+        if policy is not None and ok_local:
+            direct, direct_names = _direct_regions(policy, entries, keep)
+        staged_directly = set(direct_names)
         for e, k in zip(entries, keep):  # zero-size tensors carry no bytes
-            if k and e.nbytes == 0 and policy is not None:
+            if k and e.nbytes == 0 and policy is not None and e.name not in staged_directly:
                 policy.update_weights([(e.name, torch.empty(e.shape, dtype=e.dtype))])
     except Exception as err:
         error, ok_local = err, False
     packer = _Packer(entries) if rank == src else None
     assembly: dict[int, torch.Tensor] = {}
     first = 0  # first entry not yet fully received
-    for b in range(num_buckets):
-        lo, hi = b * bucket, min((b + 1) * bucket, total)
-        buf = torch.empty(hi - lo, dtype=torch.uint8, device=dev)
+    for lo, hi, region in windows:
+        target = direct.get(region) if ok_local else None
+        if target is not None:  # straight into this rank's staging buffer
+            buf = target[0][lo - region : hi - region]
+        else:
+            buf = torch.empty(hi - lo, dtype=torch.uint8, device=dev)
         if packer is not None and ok_local:
             try:
                 packer.fill(buf, lo, hi)
             except Exception as err:  # keep broadcasting (garbage) so nobody hangs; vote 2 aborts
                 error, ok_local = err, False
         dist.broadcast(buf, src, group=group)
+        if target is not None:
+            continue
         ready: list[tuple[str, torch.Tensor]] = []
         for i in range(first, n) if policy is not None and ok_local else ():
             e = entries[i]
@@ -239,6 +260,11 @@ def broadcast_weights(
             except Exception as err:
                 error, ok_local = err, False
         del buf, ready
+    if policy is not None and ok_local and direct_names:
+        try:
+            policy.mark_staged(direct_names)
+        except Exception as err:
+            error, ok_local = err, False
 
     # ---- vote 2: commit everywhere or abort everywhere
     if policy is not None and ok_local:
@@ -284,7 +310,6 @@ def _build_entries(source: WeightSource | None, expected: str | Sequence[str]) -
     if not isinstance(expected, str):
         wanted = {to_internal_name(n) for n in expected}
     entries: list[_Entry] = []
-    offset = 0
     trainable_only = isinstance(expected, str) and expected == "trainable"
     for name, value in source_pairs(source, "broadcast_weights", trainable_only=trainable_only):
         ours = to_internal_name(name)
@@ -297,9 +322,61 @@ def _build_entries(source: WeightSource | None, expected: str | Sequence[str]) -
             )
         shape = tuple(int(s) for s in value.shape)
         nbytes = torch.Size(shape).numel() * torch.empty((), dtype=value.dtype).element_size()
-        entries.append(_Entry(ours, shape, value.dtype, offset, nbytes, value))
-        offset = -(-(offset + nbytes) // _ALIGN) * _ALIGN
+        entries.append(_Entry(ours, shape, value.dtype, 0, nbytes, value))
+    # one region per dtype (first-appearance order), 16-byte aligned, tensors back to back inside it
+    order = {dt: i for i, dt in enumerate(dict.fromkeys(e.dtype for e in entries))}
+    entries.sort(key=lambda e: order[e.dtype])  # stable: manifest order inside a region
+    offset, previous = 0, None
+    for e in entries:
+        if e.dtype != previous:
+            offset, previous = -(-offset // _ALIGN) * _ALIGN, e.dtype
+        e.offset = offset
+        offset += e.nbytes
     return entries
+
+
+def _regions(entries: list[_Entry]) -> list[tuple[int, int, list[int]]]:
+    """(start, end, entry indices) of each dtype region of the payload, in payload order."""
+    regions: list[tuple[int, int, list[int]]] = []
+    for i, e in enumerate(entries):
+        if regions and entries[regions[-1][2][0]].dtype == e.dtype:
+            start, _, idx = regions[-1]
+            idx.append(i)
+            regions[-1] = (start, e.end, idx)
+        else:
+            regions.append((e.offset, e.end, [i]))
+    return regions
+
+
+def _windows(entries: list[_Entry], bucket: int) -> list[tuple[int, int, int]]:
+    """Broadcast windows (lo, hi, region start): at most `bucket` bytes, never crossing a dtype region."""
+    windows = []
+    for start, end, _ in _regions(entries):
+        windows += [(lo, min(lo + bucket, end), start) for lo in range(start, end, bucket)]
+    return windows
+
+
+def _direct_regions(
+    policy: Pi05Policy, entries: list[_Entry], keep: list[bool]
+) -> tuple[dict[int, tuple[torch.Tensor, int]], list[str]]:
+    """Regions this rank receives straight into its staging buffers, and the names they stage.
+
+    A region qualifies when the policy's staging buffer of that dtype holds exactly the region's tensors, in
+    the same order (so the bytes land where the slots are).
+    """
+    layout = {dt: (arena, names) for dt, arena, names in policy.staging_layout()}
+    direct: dict[int, tuple[torch.Tensor, int]] = {}
+    names_out: list[str] = []
+    for start, end, idx in _regions(entries):
+        dt = entries[idx[0]].dtype
+        arena, names = layout.get(dt, (None, None))
+        if arena is None or not all(keep[i] for i in idx) or names != [entries[i].name for i in idx]:
+            continue
+        if arena.numel() * arena.element_size() != end - start:
+            continue
+        direct[start] = (arena.view(torch.uint8), start)
+        names_out += names
+    return direct, names_out
 
 
 def _encode_meta(entries: list[_Entry]) -> torch.Tensor:
@@ -337,27 +414,41 @@ class _Packer:
 
     def __init__(self, entries: list[_Entry]) -> None:
         self.entries = entries
-        self.cached: tuple[int, torch.Tensor] | None = None
+        self.offsets = [e.offset for e in entries]
+        self.cached: tuple[int, torch.Tensor] | None = None  # the tensor spanning windows, as bytes
+
+    def _tensor(self, i: int) -> torch.Tensor:
+        e = self.entries[i]
+        t = materialize(e.value, e.name, "broadcast_weights")
+        if tuple(t.shape) != e.shape or t.dtype != e.dtype:
+            raise WeightSyncError(
+                f"broadcast_weights: {e.name!r} materialised as {list(t.shape)} {t.dtype}, but its metadata "
+                f"said {list(e.shape)} {e.dtype}; do not change source tensors during a sync."
+            )
+        return t
 
     def _bytes(self, i: int) -> torch.Tensor:
         if self.cached is None or self.cached[0] != i:
-            e = self.entries[i]
-            t = materialize(e.value, e.name, "broadcast_weights")
-            if tuple(t.shape) != e.shape or t.dtype != e.dtype:
-                raise WeightSyncError(
-                    f"broadcast_weights: {e.name!r} materialised as {list(t.shape)} {t.dtype}, but its metadata "
-                    f"said {list(e.shape)} {e.dtype}; do not change source tensors during a sync."
-                )
-            self.cached = (i, t.contiguous().reshape(-1).view(torch.uint8))
+            self.cached = (i, self._tensor(i).contiguous().reshape(-1).view(torch.uint8))
         return self.cached[1]
 
     def fill(self, buf: torch.Tensor, lo: int, hi: int) -> None:
-        buf.zero_()  # alignment gaps
-        for i, e in enumerate(self.entries):
-            if e.nbytes == 0 or e.end <= lo or e.offset >= hi:
+        """Write payload bytes [lo, hi) into `buf`; a window lies inside one dtype region, so it has no gaps."""
+        dsts, srcs = [], []
+        for i in range(max(0, bisect.bisect_right(self.offsets, lo) - 1), len(self.entries)):
+            e = self.entries[i]
+            if e.offset >= hi:
+                break
+            if e.nbytes == 0 or e.end <= lo:
+                continue
+            if lo <= e.offset and e.end <= hi:  # whole tensor: typed copies, one multi-tensor call per window
+                dsts.append(_typed(buf[e.offset - lo : e.end - lo], e))
+                srcs.append(self._tensor(i))
                 continue
             part_lo, part_hi = max(lo, e.offset), min(hi, e.end)
             buf[part_lo - lo : part_hi - lo].copy_(self._bytes(i)[part_lo - e.offset : part_hi - e.offset])
+        with torch.no_grad():
+            _copy_all(dsts, srcs, non_blocking=False)
 
 
 def _vote(ok: bool, version: int, rank: int, world: int, group: Any, dev: torch.device) -> tuple[bool, int, int]:

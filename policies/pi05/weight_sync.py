@@ -471,6 +471,31 @@ class WeightSyncMixin:
                 self._end(txn, f"failed: {err}")
                 raise
 
+    def staging_layout(self) -> list[tuple[torch.dtype, torch.Tensor, list[str]]]:
+        """The open update's staging buffers: per dtype the flat buffer and the names of its slots, in order.
+
+        A sender that lays out a dtype's tensors in this order can write them straight into the buffer (the
+        distributed protocol receives its buckets there); `mark_staged` then records them as received.
+        """
+        with self._lock:
+            txn = self._require("staging_layout")
+            return [(dt, txn.arenas[dt], list(names)) for dt, names, _, _ in txn.plan.groups]
+
+    def mark_staged(self, names: Sequence[str]) -> None:
+        """Record `names` as received after their bytes were written into `staging_layout()` buffers.
+
+        Only for names the manifest check accepted (`check_weight_manifest`); the writes must be queued on the
+        current stream (validation and commit are ordered after them).
+        """
+        with self._lock:
+            txn = self._require("mark_staged")
+            for name in names:
+                if name not in txn.expected_set or name in txn.received:
+                    raise WeightSyncError(f"mark_staged: {name!r} is not expected or was already received.")
+                txn.received[name] = (name, txn.plan.nbytes[name])
+            if txn.stream is not None:
+                txn.stream.wait_stream(torch.cuda.current_stream(self.device))
+
     # ----------------------------------------------------------------------------- hooks for the policy
     @contextlib.contextmanager
     def _weights_in_use(self) -> Iterator[None]:

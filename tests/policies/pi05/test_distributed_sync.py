@@ -218,7 +218,7 @@ def test_refusals_abort_every_rank(tmp_path: Path) -> None:
 @pytest.mark.parametrize("bucket", [16, 1000, 64 << 20])
 def test_manifest_round_trip(bucket: int) -> None:
     """Packing and unpacking without a process group: every tensor's bytes land where the manifest says."""
-    from policies.pi05.distributed_sync import _build_entries, _decode_meta, _encode_meta, _Packer
+    from policies.pi05.distributed_sync import _build_entries, _decode_meta, _encode_meta, _Packer, _windows
 
     tensors = {
         "a": torch.arange(7, dtype=torch.float32),
@@ -233,16 +233,51 @@ def test_manifest_round_trip(bucket: int) -> None:
     assert [(e.name, e.shape, e.dtype, e.offset, e.nbytes) for e in decoded] == [
         (e.name, e.shape, e.dtype, e.offset, e.nbytes) for e in entries
     ]
-    assert all(e.offset % 16 == 0 for e in entries)
+    # one region per dtype, in first-appearance order, 16-byte aligned; tensors back to back inside a region
+    assert [e.name for e in entries] == ["a", "d", "b", "c"]
+    assert [e.offset for e in entries] == [0, 28, 32, 64]
     total = entries[-1].end
-    payload = torch.empty(total, dtype=torch.uint8)
+    payload = torch.full((total,), 255, dtype=torch.uint8)
     packer = _Packer(entries)
     bucket = max(16, bucket // 16 * 16)
-    for lo in range(0, total, bucket):
-        hi = min(lo + bucket, total)
+    windows = _windows(entries, bucket)
+    assert all(hi - lo <= bucket for lo, hi, _ in windows)
+    assert {start for _, _, start in windows} == {0, 32, 64}  # windows never cross a region
+    for lo, hi, _ in windows:
         window = torch.empty(hi - lo, dtype=torch.uint8)
         packer.fill(window, lo, hi)
         payload[lo:hi] = window
     for e in decoded:
         got = payload[e.offset : e.end].view(e.dtype).view(e.shape)
         assert torch.equal(got, tensors[e.name]), e.name
+
+
+def test_direct_regions_receive_into_the_staging_buffers() -> None:
+    """A region lands straight in the staging buffer only when the buffer holds exactly its tensors in order."""
+    from policies.pi05.distributed_sync import _build_entries, _direct_regions, _Packer, _windows
+
+    policy, sender = make_policy(0), make_model(1)
+    policy.set_trainable("expert")
+    for p in sender.parameters():
+        p.requires_grad_(False)
+    source = {n: p for n, p in sender.named_parameters() if n in dict(policy.trainable_parameters())}
+    entries = _build_entries(source, "trainable")
+    keep = [True] * len(entries)
+    policy.begin_weight_update("trainable")
+    direct, names = _direct_regions(policy, entries, keep)
+    assert len(direct) == len(policy.staging_layout()) and sorted(names) == sorted(source)
+    packer = _Packer(entries)
+    for lo, hi, region in _windows(entries, 4096):
+        packer.fill(direct[region][0][lo - region : hi - region], lo, hi)
+    policy.mark_staged(names)
+    policy.finish_weight_update()
+    assert state_equals(policy, sender, list(source)) and tables_fresh(policy)
+
+    # another order in a region, or a tensor the receiver skips: that region goes through the staging copies
+    shuffled = dict(reversed(list(source.items())))
+    policy.begin_weight_update("trainable")
+    direct, names = _direct_regions(policy, _build_entries(shuffled, "trainable"), keep)
+    assert direct == {} and names == []
+    direct, _ = _direct_regions(policy, entries, [False] + keep[1:])
+    assert len(direct) == len(policy.staging_layout()) - 1
+    policy.abort_weight_update()

@@ -1,6 +1,11 @@
 """Cross-GPU weight broadcast (DESIGN C6) against raw NCCL bandwidth, rank 0 (trainer) -> rank 1 (rollout policy).
 
     torchrun --nproc_per_node 2 benchmarks/bench_broadcast.py --out results.jsonl [--config base|tiny]
+    torchrun --nproc_per_node 2 benchmarks/bench_broadcast.py --out results.jsonl --config host --buckets 17
+
+`--config host` (CPU, gloo) uses pi05_base's tensor count and names at tiny sizes, so what is timed is the
+protocol's host work and the transfers; `--buckets N` sets the bucket size to give N buckets (17 is what the
+expert set takes in 64 MiB buckets at full size).
 
 Rank 0 holds a trainer model (no policy); rank 1 a `Pi05Policy`. Measured in the same run: a plain
 `dist.broadcast` of one flat buffer with the bytes of the expert + heads, and `broadcast_weights` of the same
@@ -23,7 +28,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from benchmarks.bench_policy import _Processor, env_row  # noqa: E402
 from policies.pi05.config import Pi05Config  # noqa: E402
-from policies.pi05.distributed_sync import broadcast_weights  # noqa: E402
+from policies.pi05.distributed_sync import DEFAULT_BUCKET_BYTES, broadcast_weights  # noqa: E402
 from policies.pi05.model import Pi05Model  # noqa: E402
 from policies.pi05.policy import Pi05Policy, RolloutConfig  # noqa: E402
 from policies.pi05.scheduler import SchedulerConfig  # noqa: E402
@@ -36,7 +41,8 @@ def _p50(xs: list[float]) -> float:
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--out", type=Path, required=True)
-    parser.add_argument("--config", choices=("base", "tiny"), default="base")
+    parser.add_argument("--config", choices=("base", "tiny", "host"), default="base")
+    parser.add_argument("--buckets", type=int, default=None, help="bucket size for about this many buckets")
     parser.add_argument("--iters", type=int, default=5)
     args = parser.parse_args()
     cuda = torch.cuda.is_available()
@@ -45,7 +51,14 @@ def main() -> None:
     device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", 0))) if cuda else torch.device("cpu")
     if cuda:
         torch.cuda.set_device(device)
-    cfg = Pi05Config.pi05_base(action_horizon=10, num_steps=5) if args.config == "base" else Pi05Config.tiny()
+    if args.config == "base":
+        cfg = Pi05Config.pi05_base(action_horizon=10, num_steps=5)
+    elif args.config == "host":
+        from benchmarks.bench_weight_sync import host_overhead_config
+
+        cfg = host_overhead_config()
+    else:
+        cfg = Pi05Config.tiny()
     with torch.device(device):
         model = Pi05Model(cfg)
     model.set_precision(torch.bfloat16 if cuda else torch.float32)
@@ -59,6 +72,7 @@ def main() -> None:
     trainable = {n for n, p in model.named_parameters() if _is_trainable(n)}
     source = {n: p for n, p in model.named_parameters() if n in trainable}
     nbytes = sum(p.numel() * p.element_size() for p in source.values())
+    bucket = DEFAULT_BUCKET_BYTES if args.buckets is None else max(16, -(-nbytes // args.buckets))
     flat = torch.empty(nbytes, dtype=torch.uint8, device=device)
     raw, synced = [], []
     for it in range(args.iters + 1):
@@ -75,7 +89,9 @@ def main() -> None:
         if cuda:
             torch.cuda.synchronize()
         t0 = time.perf_counter()
-        report = broadcast_weights(policy, source if rank == 0 else None, src=0, expected="trainable")
+        report = broadcast_weights(
+            policy, source if rank == 0 else None, src=0, expected="trainable", bucket_bytes=bucket
+        )
         if cuda:
             torch.cuda.synchronize()
         if it:
@@ -87,7 +103,8 @@ def main() -> None:
                "backend": dist.get_backend(), "tensors": len(source), "bytes": nbytes,
                "raw_broadcast_p50_ms": _p50(raw), "raw_GB_per_s": nbytes / _p50(raw) / 1e6,
                "broadcast_weights_p50_ms": _p50(synced), "ratio_to_raw": _p50(synced) / _p50(raw),
-               "target_ratio": 2.0, "final_version": int(version.item()), "report_tensors": report.num_tensors}
+               "bucket_bytes": bucket, "target_ratio": 2.0, "final_version": int(version.item()),
+               "report_tensors": report.num_tensors}
         print(json.dumps(row), flush=True)
         with args.out.open("a") as f:
             f.write(json.dumps(row) + "\n")

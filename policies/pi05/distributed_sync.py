@@ -122,6 +122,17 @@ def broadcast_weights(
     dev = _comm_device(policy, group, device)
     bucket = max(_ALIGN, -(-int(bucket_bytes) // _ALIGN) * _ALIGN)
 
+    # Open this rank's update first: its preparation (parameter walk, staging buffers) overlaps the source rank
+    # building the manifest. A failure here is this rank's vote in phase 1.
+    begin_error: BaseException | None = None
+    ours = None  # the policy whose update this call opened (only that one is ever aborted here)
+    if policy is not None:
+        try:
+            policy.begin_weight_update(expected)
+            ours = policy
+        except Exception as err:
+            begin_error = err
+
     # ---- 1. header and manifest (rank src builds them from the source's metadata; nothing materialised yet)
     entries: list[_Entry] = []
     source_error: BaseException | None = None
@@ -155,6 +166,8 @@ def broadcast_weights(
         names_u8 = torch.tensor(list(b"".join(encoded)), dtype=torch.uint8).to(dev)
     dist.broadcast(header, src, group=group)
     magic, protocol, status, n, name_bytes, total, bucket, num_buckets, sent_version, dims = header.tolist()
+    if magic != _MAGIC or protocol != _PROTOCOL or status != 0:
+        _abort(ours)
     if magic != _MAGIC or protocol != _PROTOCOL:
         raise WeightSyncError(
             f"broadcast_weights: rank {src} speaks protocol {protocol} (magic {magic:#x}), expected {_PROTOCOL}; "
@@ -190,14 +203,15 @@ def broadcast_weights(
                     f"broadcast_weights: version must increase: rank {rank} is at {policy.weight_version}, "
                     f"received {sent_version}; pass a larger version or None."
                 )
-            policy.begin_weight_update(expected)
+            if begin_error is not None:
+                raise begin_error
             keep = policy.check_weight_manifest([(e.name, e.shape, e.dtype) for e in entries])
         except Exception as err:
             error = err
     current = policy.weight_version if policy is not None else -1
     ok, max_version, failed = _vote(error is None, current, rank, world, group, dev)
     if not ok:
-        _abort(policy)
+        _abort(ours)
         raise _failure("refused the manifest (no data was sent)", failed, rank, error)
 
     # ---- 2. buckets
@@ -274,7 +288,7 @@ def broadcast_weights(
             error, ok_local = err, False
     ok, _, failed = _vote(ok_local, current, rank, world, group, dev)
     if not ok:
-        _abort(policy)
+        _abort(ours)
         raise _failure("failed while sending, receiving or validating", failed, rank, error)
     final = sent_version if sent_version >= 0 else max_version + 1
     if policy is not None:

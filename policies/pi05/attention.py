@@ -97,11 +97,20 @@ def _scores_fp32(q: torch.Tensor, kt: torch.Tensor, mask: torch.Tensor, scale: f
     return torch.baddbmm(mask.to(work), q.to(work), kt.to(work), alpha=scale)
 
 
+def gemm_serves(batch: int, heads: int, kv_heads: int, queries: int, keys: int, grad: bool = False) -> bool:
+    """Whether the "gemm" backend computes a call of this shape itself (else it hands it to SDPA).
+
+    Callers that prebuild an additive mask use it to build the mask in the dtype the serving path adds it in
+    (float32 for "gemm", the compute dtype for SDPA), so no per-call conversion runs.
+    """
+    return kv_heads == 1 and not grad and batch * heads * queries * keys <= GEMM_MAX_SCORES
+
+
 def _gemm(q, k, v, key_mask, scale):
     b, n, t, hd = q.shape
     s = k.shape[2]
     needs_grad = torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad)
-    if k.shape[1] != 1 or needs_grad or b * n * t * s > GEMM_MAX_SCORES:
+    if not gemm_serves(b, n, k.shape[1], t, s, needs_grad):
         return _sdpa(q, k, v, key_mask, scale)
     # Rows are (token, head) when q is token-major in memory (the projection's layout), else (head, token); the
     # output keeps that layout, so the o-projection's reshape of a token-major result is free.
@@ -112,7 +121,7 @@ def _gemm(q, k, v, key_mask, scale):
     elif key_mask.dtype == torch.bool:
         mask = additive_mask(key_mask, torch.float32)[:, 0]
     else:
-        mask = key_mask.reshape(b, 1, s).float()
+        mask = key_mask.reshape(key_mask.shape[0], 1, s).float()  # (B or 1, 1, S); expanded below
     scores = _scores_fp32(rows, k[:, 0].transpose(1, 2), mask.expand(b, rows.shape[1], s), scale)
     out = torch.bmm(torch.softmax(scores, dim=-1).to(v.dtype), v[:, 0])  # (B, rows, hd)
     if token_major:

@@ -19,7 +19,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from .attention import AttentionConfig, AttentionPlan, additive_mask, attend
+from .attention import AttentionConfig, AttentionPlan, additive_mask, attend, gemm_serves
 from .config import Pi05Config
 from .gemma import AdaRMSNorm, GemmaStack, Modulation, RMSNorm, rope_cos_sin, upcast, upcast_dtype
 from .heads import NoiseHead, ValueHead
@@ -272,7 +272,10 @@ class Pi05Model(nn.Module):
             cache.suffix_rope = rope_cos_sin(positions, cfg.head_dim, cfg.rope_theta, x.dtype)
             valid = torch.cat([cache.key_mask, torch.ones(b, h, dtype=torch.bool, device=x_t.device)], dim=1)
             # the "gemm" backend adds the mask to float32 scores; the fused kernels take it in the compute dtype
-            cache.suffix_mask = additive_mask(valid, torch.float32 if self.plan.expert == "gemm" else x.dtype)
+            gemm = self.plan.expert == "gemm" and gemm_serves(
+                b, cfg.num_heads, cfg.num_kv_heads, h, valid.shape[1], torch.is_grad_enabled()
+            )
+            cache.suffix_mask = additive_mask(valid, torch.float32 if gemm else x.dtype)
         cos, sin = cache.suffix_rope
         key_mask = cache.suffix_mask
         scale = cfg.head_dim**-0.5

@@ -102,3 +102,17 @@ def test_model_with_gemm_expert_matches_eager():
         a = eager.sample_actions(images, image_mask, tokens, token_mask, noise)
         b = gemm.sample_actions(images, image_mask, tokens, token_mask, noise)
     torch.testing.assert_close(b, a, atol=1e-5, rtol=1e-5)
+
+
+def test_gemm_serves_matches_the_dispatch(count_sdpa):
+    from policies.pi05.attention import gemm_serves
+
+    assert gemm_serves(1, 8, 1, 50, 1018) and gemm_serves(8, 8, 1, 50, 1018)  # (a) up to batch 8: 3.3M scores
+    assert not gemm_serves(16, 8, 1, 50, 1018)  # (a) batch 16: 6.5M, SDPA is faster there
+    assert not gemm_serves(1, 8, 2, 50, 100) and not gemm_serves(1, 8, 1, 50, 100, grad=True)
+    # a mask built once for the whole batch, (1, 1, 1, S), broadcasts over the rows
+    q, k, v, mask = _qkv()
+    shared = additive_mask(mask[:1], torch.float32)
+    out = attend(q, k, v, shared, 8**-0.5, "gemm")
+    torch.testing.assert_close(out, attend(q, k, v, mask[:1].expand(3, -1), 8**-0.5, "eager"), atol=1e-6, rtol=1e-6)
+    assert count_sdpa == []

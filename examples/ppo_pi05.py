@@ -74,8 +74,8 @@ class Args:
     # Algorithm
     total_iterations: int = 20
     """PPO iterations (rollout + update + weight sync)"""
-    learning_rate: float = 3e-3
-    """Adam learning rate"""
+    learning_rate: float | None = None
+    """Adam learning rate (default: 3e-3 for the tiny config; 5e-6, RLinf's PI0.5 actor rate, for base/checkpoints)"""
     anneal_lr: bool = False
     """linearly anneal the learning rate to 0"""
     gamma: float = 0.99
@@ -115,6 +115,8 @@ class Args:
     """batch_size // num_minibatches"""
 
     def __post_init__(self) -> None:
+        if self.learning_rate is None:
+            self.learning_rate = 3e-3 if self.config == "tiny" and self.checkpoint is None else 5e-6
         self.batch_size = self.num_envs * self.num_steps
         self.minibatch_size = self.batch_size // self.num_minibatches
         if self.minibatch_size < 1:

@@ -26,6 +26,14 @@ def batch_size(obs: Mapping[str, Any]) -> int:
     return len(obs["task"])
 
 
+def resolve_chunk(where: str, action_chunk: int | None, horizon: int) -> int:
+    """The chunk C a call returns: `action_chunk`, default the horizon; outside [1, horizon] is refused."""
+    chunk = horizon if action_chunk is None else int(action_chunk)
+    if not 1 <= chunk <= horizon:
+        raise ValueError(f"{where}: action_chunk must be in [1, action_horizon={horizon}], got {chunk}.")
+    return chunk
+
+
 def _ids(ids: IdsLike, n: int, device: torch.device) -> tuple[torch.Tensor, int]:
     """(env ids as an int64 tensor, an upper bound of the ids + 1)."""
     if ids is None:
@@ -85,14 +93,6 @@ class GaussianPolicy:
         self.streams = StreamTable(self.device)
         self.weight_version = 0
 
-    def _chunk(self, action_chunk: int | None) -> int:
-        chunk = self.action_horizon if action_chunk is None else int(action_chunk)
-        if not 1 <= chunk <= self.action_horizon:
-            raise ValueError(
-                f"GaussianPolicy.act: action_chunk must be in [1, action_horizon={self.action_horizon}], got {chunk}."
-            )
-        return chunk
-
     def act(
         self,
         obs: Mapping[str, Any],
@@ -103,7 +103,7 @@ class GaussianPolicy:
         action_chunk: int | None = None,
     ) -> PolicyOutput:
         """(N, C, A) Gaussian actions; log-probs of the drawn actions (0 when deterministic)."""
-        n, chunk = batch_size(obs), self._chunk(action_chunk)
+        n, chunk = batch_size(obs), resolve_chunk("GaussianPolicy.act", action_chunk, self.action_horizon)
         ids, upper = _ids(env_ids, n, self.device)
         if seeds is not None:
             seed_t = torch.as_tensor(seeds, dtype=torch.int64)
@@ -192,11 +192,7 @@ class ConstantPolicy:
     ) -> PolicyOutput:
         """(N, C, A) copies of the constant action."""
         n = batch_size(obs)
-        chunk = self.action_horizon if action_chunk is None else int(action_chunk)
-        if not 1 <= chunk <= self.action_horizon:
-            raise ValueError(
-                f"ConstantPolicy.act: action_chunk must be in [1, action_horizon={self.action_horizon}], got {chunk}."
-            )
+        chunk = resolve_chunk("ConstantPolicy.act", action_chunk, self.action_horizon)
         actions = self.action.expand(n, chunk, self.action_dim).clone()
         zeros = torch.zeros_like(actions)
         return PolicyOutput(

@@ -222,7 +222,7 @@ def broadcast_weights(
             f"broadcast_weights: rank {src} announced {num_buckets} buckets, the manifest gives {len(windows)}; "
             "run the same phyai-gym version on every rank."
         )
-    direct: dict[int, tuple[torch.Tensor, int]] = {}  # region start -> (staging buffer as bytes, region start)
+    direct: dict[int, torch.Tensor] = {}  # region start -> this rank's staging buffer of that region, as bytes
     direct_names: list[str] = []
     try:
         if policy is not None and ok_local:
@@ -239,7 +239,7 @@ def broadcast_weights(
     for lo, hi, region in windows:
         target = direct.get(region) if ok_local else None
         if target is not None:  # straight into this rank's staging buffer
-            buf = target[0][lo - region : hi - region]
+            buf = target[lo - region : hi - region]
         else:
             buf = torch.empty(hi - lo, dtype=torch.uint8, device=dev)
         if packer is not None and ok_local:
@@ -372,14 +372,14 @@ def _windows(entries: list[_Entry], bucket: int) -> list[tuple[int, int, int]]:
 
 def _direct_regions(
     policy: Pi05Policy, entries: list[_Entry], keep: list[bool]
-) -> tuple[dict[int, tuple[torch.Tensor, int]], list[str]]:
+) -> tuple[dict[int, torch.Tensor], list[str]]:
     """Regions this rank receives straight into its staging buffers, and the names they stage.
 
     A region qualifies when the policy's staging buffer of that dtype holds exactly the region's tensors, in
     the same order (so the bytes land where the slots are).
     """
     layout = {dt: (arena, names) for dt, arena, names in policy.staging_layout()}
-    direct: dict[int, tuple[torch.Tensor, int]] = {}
+    direct: dict[int, torch.Tensor] = {}
     names_out: list[str] = []
     for start, end, idx in _regions(entries):
         dt = entries[idx[0]].dtype
@@ -388,7 +388,7 @@ def _direct_regions(
             continue
         if arena.numel() * arena.element_size() != end - start:
             continue
-        direct[start] = (arena.view(torch.uint8), start)
+        direct[start] = arena.view(torch.uint8)
         names_out += names
     return direct, names_out
 

@@ -268,7 +268,7 @@ def test_direct_regions_receive_into_the_staging_buffers() -> None:
     assert len(direct) == len(policy.staging_layout()) and sorted(names) == sorted(source)
     packer = _Packer(entries)
     for lo, hi, region in _windows(entries, 4096):
-        packer.fill(direct[region][0][lo - region : hi - region], lo, hi)
+        packer.fill(direct[region][lo - region : hi - region], lo, hi)
     policy.mark_staged(names)
     policy.finish_weight_update()
     assert state_equals(policy, sender, list(source)) and tables_fresh(policy)

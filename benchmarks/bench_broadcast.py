@@ -2,6 +2,7 @@
 
     torchrun --nproc_per_node 2 benchmarks/bench_broadcast.py --out results.jsonl [--config base|tiny]
     torchrun --nproc_per_node 2 benchmarks/bench_broadcast.py --out results.jsonl --config host --buckets 17
+    torchrun --nproc_per_node 2 benchmarks/bench_broadcast.py --out results.jsonl --trace-dir traces/
 
 `--config host` (CPU, gloo) uses pi05_base's tensor count and names at tiny sizes, so what is timed is the
 protocol's host work and the transfers; `--buckets N` sets the bucket size to give N buckets (17 is what the
@@ -44,6 +45,8 @@ def main() -> None:
     parser.add_argument("--config", choices=("base", "tiny", "host"), default="base")
     parser.add_argument("--buckets", type=int, default=None, help="bucket size for about this many buckets")
     parser.add_argument("--iters", type=int, default=5)
+    parser.add_argument("--trace-dir", type=Path, default=None,
+                        help="after timing, profile one more broadcast on every rank and write its chrome trace here")
     args = parser.parse_args()
     cuda = torch.cuda.is_available()
     dist.init_process_group("nccl" if cuda else "gloo")
@@ -96,6 +99,19 @@ def main() -> None:
             torch.cuda.synchronize()
         if it:
             synced.append((time.perf_counter() - t0) * 1e3)
+    if args.trace_dir is not None:  # one profiled broadcast per rank: where the time beyond raw NCCL goes
+        from torch.profiler import ProfilerActivity, profile
+
+        activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else [])
+        dist.barrier()
+        if cuda:
+            torch.cuda.synchronize()
+        with profile(activities=activities) as prof:
+            broadcast_weights(policy, source if rank == 0 else None, src=0, expected="trainable", bucket_bytes=bucket)
+            if cuda:
+                torch.cuda.synchronize()
+        args.trace_dir.mkdir(parents=True, exist_ok=True)
+        prof.export_chrome_trace(str(args.trace_dir / f"broadcast_trace_rank{rank}.json.gz"))
     version = torch.tensor([policy.weight_version if policy is not None else -1], device=device)
     dist.all_reduce(version, op=dist.ReduceOp.MAX)
     if rank == 0:

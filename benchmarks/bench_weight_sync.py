@@ -200,11 +200,14 @@ def run(out_path: str | Path, config_name: str = "base", iters: int = 10) -> lis
     return rows
 
 
-def profile_sync(out_path: str | Path, config_name: str = "base", reps: int = 3) -> list[dict[str, Any]]:
+def profile_sync(
+    out_path: str | Path, config_name: str = "base", reps: int = 3, trace_dir: str | Path | None = None
+) -> list[dict[str, Any]]:
     """Where a sync's time goes: torch.profiler over `reps` syncs of the expert set from GPU and pinned sources.
 
     Rows give the wall time per sync, the GPU busy time per sync (kernels + copies), and the top host ops by
-    self CPU time and top GPU activities, so host overhead and GPU work can be told apart.
+    self CPU time and top GPU activities, so host overhead and GPU work can be told apart. With `trace_dir`,
+    each source's chrome trace is written there as `sync_trace_{source}.json.gz`.
     """
     from torch.profiler import ProfilerActivity, profile
 
@@ -223,6 +226,8 @@ def profile_sync(out_path: str | Path, config_name: str = "base", reps: int = 3)
                 policy.sync_weights(source)
                 torch.cuda.synchronize()
             wall = (time.perf_counter() - start) * 1e3 / reps
+        if trace_dir is not None:
+            prof.export_chrome_trace(str(Path(trace_dir) / f"sync_trace_{name}.json.gz"))
         events = prof.key_averages()
         cpu = sorted(events, key=lambda e: -e.self_cpu_time_total)[:15]
         gpu = sorted(events, key=lambda e: -getattr(e, "self_device_time_total", 0))[:10]

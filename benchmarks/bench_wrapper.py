@@ -391,12 +391,12 @@ def make_pusher_group(n: int, context: str | None, image_size: int = 224) -> gym
 
 
 def _run_steps(env: PolicyVectorEnv, policy: TimedPolicy, steps: int) -> dict[str, float]:
-    busy0, t0, executed = policy.busy_s, time.perf_counter(), 0
+    busy0, calls0, t0, executed = policy.busy_s, policy.calls, time.perf_counter(), 0
     for _ in range(steps):
         _, _, _, _, info = env.step()
         executed += int(np.asarray(info["substep_mask"]).sum())
     wall = time.perf_counter() - t0
-    return {"wall_s": wall, "busy_s": policy.busy_s - busy0, "env_steps": executed}
+    return {"wall_s": wall, "busy_s": policy.busy_s - busy0, "env_steps": executed, "calls": policy.calls - calls0}
 
 
 def _alone_times(groups: list[gym.vector.VectorEnv], policy: Any, chunk: int, iters: int) -> dict[str, float]:
@@ -525,7 +525,7 @@ def bench_overlap(
     for i, env in enumerate(variants.values()):
         env.reset(seed=100 * i)
         _run_steps(env, timed, 1)  # warm-up
-    agg = {name: {"wall_s": 0.0, "busy_s": 0.0, "env_steps": 0} for name in variants}
+    agg = {name: {"wall_s": 0.0, "busy_s": 0.0, "env_steps": 0, "calls": 0} for name in variants}
     per_round: dict[str, list[float]] = {name: [] for name in variants}
     for _ in range(rounds):
         for name, env in variants.items():
@@ -541,6 +541,8 @@ def bench_overlap(
             "env_steps_per_s": round(a["env_steps"] / a["wall_s"], 3),
             "env_steps_per_s_rounds": [round(x, 3) for x in per_round[name]],
             "policy_busy_frac": round(a["busy_s"] / a["wall_s"], 3),
+            # beside "alone": a call slower here than alone means the envs compete with the policy (CPU or GPU)
+            "policy_ms_per_call": round(1e3 * a["busy_s"] / max(a["calls"], 1), 2),
             "ms_per_wrapper_step": round(1e3 * a["wall_s"] / (rounds * steps), 1),
         }
     base = results["G1"]["env_steps_per_s"]
@@ -555,6 +557,8 @@ def bench_overlap(
         "config": {
             "env": "Pusher-v5 224x224 rgb_array, AsyncVectorEnv (1 subprocess per env)",
             "mujoco_gl": os.environ.get("MUJOCO_GL"),
+            "egl_device": os.environ.get("MUJOCO_EGL_DEVICE_ID"),
+            "policy_device": str(device),
             "mp_context": context or "default (fork)",
             "policy": policy_kind
             if policy_kind == "emulated"

@@ -245,12 +245,16 @@ def section_wrapper(out: Path) -> None:
 
 def section_overlap(out: Path) -> None:
     """Env/policy overlap on the GPU: full-size PI0.5 (CUDA graphs) + Pusher-v5 rendered with EGL in subprocesses,
-    G=1 vs G=2 vs G=2 with prefetch (needs mujoco and EGL on the machine)."""
+    G=1 vs G=2 vs G=2 with prefetch (needs mujoco and EGL on the machine; on 2+ GPUs the envs render on GPU 1)."""
     import os
 
     from benchmarks import bench_wrapper
 
     os.environ.setdefault("MUJOCO_GL", "egl")
+    if torch.cuda.device_count() > 1:
+        # render on the second GPU: EGL contexts of 16 env processes on the policy's GPU time-slice with its
+        # CUDA graphs (measured: a 36 ms policy call took ~52 ms while the envs rendered on the same GPU)
+        os.environ.setdefault("MUJOCO_EGL_DEVICE_ID", "1")
     # C=2 makes a group's env chunk (~40 ms for 8 envs at ~2.4 ms per EGL-rendered step on the H200 host) about
     # as long as its policy call (~35 ms); at C=10 the envs take 7x the policy and overlap can hide little.
     for chunk in (2, 10):
@@ -267,7 +271,7 @@ def section_sync(out: Path) -> None:
         _emit(out, {"section": "sync", "status": f"not run: {err}"})
         return
     bench_weight_sync.run(out / "gpu_results.jsonl", "base")
-    bench_weight_sync.profile_sync(out / "gpu_results.jsonl", "base")
+    bench_weight_sync.profile_sync(out / "gpu_results.jsonl", "base", trace_dir=out)
 
 
 def section_processor(out: Path) -> None:
@@ -294,7 +298,7 @@ def section_broadcast(out: Path) -> None:
         _emit(out, {"section": "broadcast", "status": f"not run: {torch.cuda.device_count()} GPU(s), needs 2"})
         return
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2",
-           "benchmarks/bench_broadcast.py", "--out", str(out / "gpu_results.jsonl")]
+           "benchmarks/bench_broadcast.py", "--out", str(out / "gpu_results.jsonl"), "--trace-dir", str(out)]
     proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=300)
     (out / "broadcast.log").write_text(proc.stdout + proc.stderr)
     if proc.returncode != 0:

@@ -6,6 +6,7 @@ pickle-based formats (.bin/.pt/.pth) can run code when loaded and are refused wi
 
 from __future__ import annotations
 
+import functools
 import json
 import os
 from collections.abc import Iterator
@@ -43,8 +44,11 @@ class CheckpointError(ValueError):
     """A checkpoint folder or file cannot be loaded as asked; the message lists what is wrong and the fix."""
 
 
+@functools.lru_cache(maxsize=1 << 16)
 def to_internal_name(name: str) -> str | None:
     """Map a LeRobot / openpi / own parameter name to ours; None for known dead keys.
+
+    Memoised: a weight sync maps the same few hundred names on every update.
 
     Example:
         >>> to_internal_name("model.paligemma_with_expert.gemma_expert.model.layers.0.mlp.up_proj.weight")

@@ -6,8 +6,8 @@ so it runs on gloo (CPU) and NCCL (GPU) alike.
 
 1. Header: `src` broadcasts int64[10] = magic, protocol, status, tensors, name bytes, payload bytes,
    bucket bytes, buckets, version (-1: none given), shape dims.
-2. Manifest: int64 [name lengths | dtype codes | ndims | payload offsets | byte sizes | shape dims] and the
-   UTF-8 names as one uint8 tensor. Each rank with a policy opens an update and checks the manifest against
+2. Manifest: one int64 tensor [name lengths | dtype codes | ndims | payload offsets | byte sizes | shape dims |
+   the UTF-8 names, zero-padded to 8 bytes]. Each rank with a policy opens an update and checks the manifest against
    its model (names, shapes, duplicates, the expected set complete, the version increasing).
    Vote 1: all_reduce(MIN) of (ok, -version, failed rank); a refusal aborts everywhere before any data moves.
 3. Buckets: the payload is laid out per dtype (one region per dtype, 16-byte aligned, tensors packed back to
@@ -44,7 +44,7 @@ if TYPE_CHECKING:
 DEFAULT_BUCKET_BYTES = 64 << 20
 """Payload bytes per broadcast."""
 _MAGIC = 0x5049_3035  # "PI05"
-_PROTOCOL = 2
+_PROTOCOL = 3
 _ALIGN = 16
 _HEADER = 10
 _DTYPES = (
@@ -142,9 +142,9 @@ def broadcast_weights(
         except Exception as err:  # tell the others before raising
             source_error = err
     header = torch.zeros(_HEADER, dtype=torch.int64, device=dev)
-    names_u8 = torch.zeros(0, dtype=torch.uint8, device=dev)
+    blob = b""
     if rank == src:
-        encoded = [e.name.encode() for e in entries]
+        blob = b"".join(e.name.encode() for e in entries)
         total = entries[-1].end if entries else 0
         dims = sum(len(e.shape) for e in entries)
         header.copy_(
@@ -154,7 +154,7 @@ def broadcast_weights(
                     _PROTOCOL,
                     0 if source_error is None else 1,
                     len(entries),
-                    sum(map(len, encoded)),
+                    len(blob),
                     total,
                     bucket,
                     len(_windows(entries, bucket)),
@@ -163,7 +163,6 @@ def broadcast_weights(
                 ]
             )
         )
-        names_u8 = torch.tensor(list(b"".join(encoded)), dtype=torch.uint8).to(dev)
     dist.broadcast(header, src, group=group)
     magic, protocol, status, n, name_bytes, total, bucket, num_buckets, sent_version, dims = header.tolist()
     if magic != _MAGIC or protocol != _PROTOCOL or status != 0:
@@ -183,15 +182,13 @@ def broadcast_weights(
             f"broadcast_weights: the source on rank {src} could not be read (see rank {src}'s error); "
             "every rank keeps its weights."
         )
-    meta = torch.zeros(5 * n + dims, dtype=torch.int64, device=dev)
+    # the manifest columns and the names (as bytes in the tail) in one broadcast
+    meta = torch.zeros(5 * n + dims + -(-name_bytes // 8), dtype=torch.int64, device=dev)
     if rank == src:
-        meta.copy_(_encode_meta(entries))
-    else:
-        names_u8 = torch.zeros(name_bytes, dtype=torch.uint8, device=dev)
+        meta.copy_(_encode_meta(entries, blob))
     dist.broadcast(meta, src, group=group)
-    dist.broadcast(names_u8, src, group=group)
     if rank != src:
-        entries = _decode_meta(meta.tolist(), names_u8.cpu().numpy().tobytes(), n)
+        entries = _decode_meta(meta.cpu(), n, dims, name_bytes)
 
     # ---- vote 1: does every policy accept the manifest?
     error: BaseException | None = None
@@ -335,7 +332,7 @@ def _build_entries(source: WeightSource | None, expected: str | Sequence[str]) -
                 f"expected a tensor of one of {[str(d) for d in _DTYPES]}."
             )
         shape = tuple(int(s) for s in value.shape)
-        nbytes = torch.Size(shape).numel() * torch.empty((), dtype=value.dtype).element_size()
+        nbytes = torch.Size(shape).numel() * value.dtype.itemsize
         entries.append(_Entry(ours, shape, value.dtype, 0, nbytes, value))
     # one region per dtype (first-appearance order), 16-byte aligned, tensors back to back inside it
     order = {dt: i for i, dt in enumerate(dict.fromkeys(e.dtype for e in entries))}
@@ -393,7 +390,8 @@ def _direct_regions(
     return direct, names_out
 
 
-def _encode_meta(entries: list[_Entry]) -> torch.Tensor:
+def _encode_meta(entries: list[_Entry], names: bytes) -> torch.Tensor:
+    """int64 [name lengths | dtype codes | ndims | payload offsets | byte sizes | shape dims | names, padded]."""
     cols = [
         [len(e.name.encode()) for e in entries],
         [_DTYPES.index(e.dtype) for e in entries],
@@ -402,17 +400,25 @@ def _encode_meta(entries: list[_Entry]) -> torch.Tensor:
         [e.nbytes for e in entries],
         [d for e in entries for d in e.shape],
     ]
-    return torch.tensor([v for col in cols for v in col], dtype=torch.int64)
+    padded = bytearray(names.ljust(-(-len(names) // 8) * 8, b"\0"))
+    return torch.cat(
+        [
+            torch.tensor([v for col in cols for v in col], dtype=torch.int64),
+            torch.frombuffer(padded, dtype=torch.int64) if padded else torch.zeros(0, dtype=torch.int64),
+        ]
+    )
 
 
-def _decode_meta(meta: list[int], names: bytes, n: int) -> list[_Entry]:
-    lengths, codes, ndims, offsets, sizes = (meta[i * n : (i + 1) * n] for i in range(5))
-    dims, pos, entries = meta[5 * n :], 0, []
+def _decode_meta(meta: torch.Tensor, n: int, dims: int, name_bytes: int) -> list[_Entry]:
+    values = meta[: 5 * n + dims].tolist()
+    names = meta[5 * n + dims :].numpy().tobytes()[:name_bytes]
+    lengths, codes, ndims, offsets, sizes = (values[i * n : (i + 1) * n] for i in range(5))
+    dim_values, pos, entries = values[5 * n :], 0, []
     name_pos = 0
     for i in range(n):
         name = names[name_pos : name_pos + lengths[i]].decode()
         name_pos += lengths[i]
-        shape = tuple(dims[pos : pos + ndims[i]])
+        shape = tuple(dim_values[pos : pos + ndims[i]])
         pos += ndims[i]
         entries.append(_Entry(name, shape, _DTYPES[codes[i]], offsets[i], sizes[i]))
     return entries

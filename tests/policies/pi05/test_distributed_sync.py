@@ -227,9 +227,11 @@ def test_manifest_round_trip(bucket: int) -> None:
         "d": torch.zeros(0, 4),
     }
     entries = _build_entries(tensors, "all")
-    meta = _encode_meta(entries)
+    entries[0].name = "a_é"  # non-ASCII, and a names blob whose length is no multiple of 8
     names = b"".join(e.name.encode() for e in entries)
-    decoded = _decode_meta(meta.tolist(), names, len(entries))
+    meta = _encode_meta(entries, names)
+    decoded = _decode_meta(meta, len(entries), sum(len(e.shape) for e in entries), len(names))
+    entries[0].name = decoded[0].name = "a"
     assert [(e.name, e.shape, e.dtype, e.offset, e.nbytes) for e in decoded] == [
         (e.name, e.shape, e.dtype, e.offset, e.nbytes) for e in entries
     ]

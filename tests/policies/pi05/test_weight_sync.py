@@ -7,6 +7,7 @@ failure must leave every parameter (and the weight-derived tables) bit-identical
 
 from __future__ import annotations
 
+import copy
 import threading
 from typing import Any
 
@@ -432,6 +433,22 @@ def test_cached_plan_follows_parameter_changes() -> None:
     policy.sync_weights(make_model(seed=11), expected="all")
     assert model.action_in_proj.bias.dtype == torch.float64
     assert torch.equal(model.action_in_proj.bias, make_model(seed=11).action_in_proj.bias.double())
+    # a submodule replaced deep in the tree, and a parameter swapped in a module's dict without setattr
+    path, linear = next((n, m) for n, m in model.named_modules() if n.startswith("expert.") and n.endswith("proj"))
+    parent_path, _, child = path.rpartition(".")
+    replacement = copy.deepcopy(linear)
+    setattr(model.get_submodule(parent_path), child, replacement)
+    swapped = torch.nn.Parameter(model.action_out_proj.weight.detach().clone())
+    model.action_out_proj._parameters["weight"] = swapped
+    fresh = make_model(seed=13)
+    policy.sync_weights(fresh, expected="all")
+    assert torch.equal(replacement.weight, fresh.get_submodule(path).weight.to(replacement.weight.dtype))
+    assert not torch.equal(linear.weight, replacement.weight)  # the detached module was not written
+    assert torch.equal(swapped, fresh.action_out_proj.weight)
+    # a parameter added where there was none: expected="all" now needs it
+    model.action_out_proj.register_parameter("extra", torch.nn.Parameter(torch.zeros(2)))
+    with pytest.raises(WeightSyncError, match="parameters .* were not sent: .'action_out_proj.extra'"):
+        policy.sync_weights(fresh, expected="all")
 
 
 def test_batched_tables_match_per_norm_modulation() -> None:

@@ -257,8 +257,11 @@ def section_overlap(out: Path) -> None:
         os.environ.setdefault("MUJOCO_EGL_DEVICE_ID", "1")
     # C=2 makes a group's env chunk (~40 ms for 8 envs at ~2.4 ms per EGL-rendered step on the H200 host) about
     # as long as its policy call (~35 ms); at C=10 the envs take 7x the policy and overlap can hide little.
-    for chunk in (2, 10):
-        row = bench_wrapper.bench_overlap("pi05", 16, chunk, steps=4, rounds=2, context="forkserver", num_steps=5,
+    # PHYAI_OVERLAP_CHUNKS picks the chunk sizes (default "2,10"); C=2 steps are short, so it runs more of them
+    chunks = [int(c) for c in os.environ.get("PHYAI_OVERLAP_CHUNKS", "2,10").split(",")]
+    for chunk in chunks:
+        steps = 12 if chunk <= 2 else 4
+        row = bench_wrapper.bench_overlap("pi05", 16, chunk, steps=steps, rounds=2, context="forkserver", num_steps=5,
                                           check_equal=False, device="cuda", config_name="base")
         bench_wrapper.emit([row], out / "gpu_results.jsonl")
 
@@ -293,14 +296,20 @@ def section_profile(out: Path) -> None:
 
 
 def section_broadcast(out: Path) -> None:
-    """Rank 0 -> rank 1 weight broadcast against raw NCCL (needs 2 GPUs; torchrun in a subprocess)."""
+    """Rank 0 -> rank 1 weight broadcast against raw NCCL (needs 2 GPUs; torchrun in a subprocess): the default
+    bucket size (with chrome traces of one profiled broadcast per rank) and ~4 buckets of ~280 MB."""
     if torch.cuda.device_count() < 2:
         _emit(out, {"section": "broadcast", "status": f"not run: {torch.cuda.device_count()} GPU(s), needs 2"})
         return
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2",
-           "benchmarks/bench_broadcast.py", "--out", str(out / "gpu_results.jsonl"), "--trace-dir", str(out)]
-    proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=300)
-    (out / "broadcast.log").write_text(proc.stdout + proc.stderr)
+    base = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2",
+            "benchmarks/bench_broadcast.py", "--out", str(out / "gpu_results.jsonl"), "--iters", "10"]
+    logs = []
+    for extra in (["--trace-dir", str(out)], ["--buckets", "4"]):
+        proc = subprocess.run(base + extra, cwd=ROOT, capture_output=True, text=True, timeout=300)
+        logs.append(proc.stdout + proc.stderr)
+        if proc.returncode != 0:
+            break
+    (out / "broadcast.log").write_text("\n".join(logs))
     if proc.returncode != 0:
         raise RuntimeError(f"torchrun exited {proc.returncode}; see broadcast.log")
 

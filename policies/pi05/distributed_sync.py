@@ -36,13 +36,21 @@ import torch
 import torch.distributed as dist
 
 from .checkpoint import to_internal_name
-from .weight_sync import WeightSource, WeightSyncError, WeightUpdateReport, _copy_all, materialize, source_pairs
+from .weight_sync import (
+    _PLAIN_TENSOR_TYPES,
+    WeightSource,
+    WeightSyncError,
+    WeightUpdateReport,
+    materialize,
+    source_pairs,
+)
 
 if TYPE_CHECKING:
     from .policy import Pi05Policy
 
-DEFAULT_BUCKET_BYTES = 64 << 20
-"""Payload bytes per broadcast."""
+DEFAULT_BUCKET_BYTES = 128 << 20
+"""Payload bytes per broadcast. Rank src packs into two buffers of this size (one fills while the other is on
+the wire); a receiver whose staging buffers match the manifest needs none."""
 _MAGIC = 0x5049_3035  # "PI05"
 _PROTOCOL = 3
 _ALIGN = 16
@@ -141,7 +149,7 @@ def broadcast_weights(
             entries = _build_entries(source, expected)
         except Exception as err:  # tell the others before raising
             source_error = err
-    header = torch.zeros(_HEADER, dtype=torch.int64, device=dev)
+    header = torch.empty(_HEADER, dtype=torch.int64, device=dev)  # every element is written or received
     blob = b""
     if rank == src:
         blob = b"".join(e.name.encode() for e in entries)
@@ -183,7 +191,7 @@ def broadcast_weights(
             "every rank keeps its weights."
         )
     # the manifest columns and the names (as bytes in the tail) in one broadcast
-    meta = torch.zeros(5 * n + dims + -(-name_bytes // 8), dtype=torch.int64, device=dev)
+    meta = torch.empty(5 * n + dims + -(-name_bytes // 8), dtype=torch.int64, device=dev)
     if rank == src:
         meta.copy_(_encode_meta(entries, blob))
     dist.broadcast(meta, src, group=group)
@@ -231,12 +239,28 @@ def broadcast_weights(
     except Exception as err:
         error, ok_local = err, False
     packer = _Packer(entries) if rank == src else None
+    # Broadcasts are queued asynchronously: on rank src the packing of window w + 1 (into the other of two send
+    # buffers) runs while window w is on the wire; a window received into a staging buffer is only waited for
+    # before validation. A temporary window is waited for at once (its tensors are staged from it).
+    send: list[torch.Tensor] = []
+    if packer is not None and windows:
+        widest = max(hi - lo for lo, hi, _ in windows)
+        send = [torch.empty(widest, dtype=torch.uint8, device=dev) for _ in range(min(2, len(windows)))]
+    in_flight: list[Any] = [None] * len(send)  # the broadcast last sent from each send buffer
+    works: list[tuple[Any, torch.Tensor]] = []  # (broadcast, its buffer) waited for before validation
     assembly: dict[int, torch.Tensor] = {}
     first = 0  # first entry not yet fully received
-    for lo, hi, region in windows:
+    for j, (lo, hi, region) in enumerate(windows):
         target = direct.get(region) if ok_local else None
-        if target is not None:  # straight into this rank's staging buffer
+        stage_here = target is None and policy is not None and ok_local  # tensors are staged from this window
+        slot = None  # the send buffer used, if any
+        if target is not None:  # straight into (or, on rank src, straight from) this rank's staging buffer
             buf = target[lo - region : hi - region]
+        elif send and not stage_here:
+            slot = j % len(send)
+            if in_flight[slot] is not None:
+                in_flight[slot].wait()  # that buffer's previous window has left
+            buf = send[slot][: hi - lo]
         else:
             buf = torch.empty(hi - lo, dtype=torch.uint8, device=dev)
         if packer is not None and ok_local:
@@ -244,9 +268,13 @@ def broadcast_weights(
                 packer.fill(buf, lo, hi)
             except Exception as err:  # keep broadcasting (garbage) so nobody hangs; vote 2 aborts
                 error, ok_local = err, False
-        dist.broadcast(buf, src, group=group)
-        if target is not None:
+        work = dist.broadcast(buf, src, group=group, async_op=True)
+        if slot is not None:
+            in_flight[slot] = work
+        if not stage_here:
+            works.append((work, buf))
             continue
+        work.wait()
         ready: list[tuple[str, torch.Tensor]] = []
         for i in range(first, n) if policy is not None and ok_local else ():
             e = entries[i]
@@ -271,6 +299,9 @@ def broadcast_weights(
             except Exception as err:
                 error, ok_local = err, False
         del buf, ready
+    for work, _ in works:
+        work.wait()
+    del works
     if policy is not None and ok_local and direct_names:
         try:
             policy.mark_staged(direct_names)
@@ -439,7 +470,7 @@ class _Packer:
 
     def _tensor(self, i: int) -> torch.Tensor:
         e = self.entries[i]
-        t = materialize(e.value, e.name, "broadcast_weights")
+        t = e.value if type(e.value) in _PLAIN_TENSOR_TYPES else materialize(e.value, e.name, "broadcast_weights")
         if tuple(t.shape) != e.shape or t.dtype != e.dtype:
             raise WeightSyncError(
                 f"broadcast_weights: {e.name!r} materialised as {list(t.shape)} {t.dtype}, but its metadata "
@@ -452,23 +483,29 @@ class _Packer:
             self.cached = (i, self._tensor(i).contiguous().reshape(-1).view(torch.uint8))
         return self.cached[1]
 
+    @torch.no_grad()
     def fill(self, buf: torch.Tensor, lo: int, hi: int) -> None:
-        """Write payload bytes [lo, hi) into `buf`; a window lies inside one dtype region, so it has no gaps."""
-        dsts, srcs = [], []
+        """Write payload bytes [lo, hi) into `buf`; a window lies inside one dtype region, so it has no gaps.
+
+        The tensors wholly inside the window are written by one `torch.cat` into a typed view of their span;
+        the (at most two) tensors cut by the window's edges are copied as bytes.
+        """
+        whole: list[torch.Tensor] = []
+        span: tuple[int, int] | None = None
         for i in range(max(0, bisect.bisect_right(self.offsets, lo) - 1), len(self.entries)):
             e = self.entries[i]
             if e.offset >= hi:
                 break
             if e.nbytes == 0 or e.end <= lo:
                 continue
-            if lo <= e.offset and e.end <= hi:  # whole tensor: typed copies, one multi-tensor call per window
-                dsts.append(_typed(buf[e.offset - lo : e.end - lo], e))
-                srcs.append(self._tensor(i))
+            if lo <= e.offset and e.end <= hi:
+                whole.append(self._tensor(i).reshape(-1))
+                span = (e.offset if span is None else span[0], e.end)
                 continue
             part_lo, part_hi = max(lo, e.offset), min(hi, e.end)
             buf[part_lo - lo : part_hi - lo].copy_(self._bytes(i)[part_lo - e.offset : part_hi - e.offset])
-        with torch.no_grad():
-            _copy_all(dsts, srcs, non_blocking=False)
+        if span is not None:
+            torch.cat(whole, out=buf[span[0] - lo : span[1] - lo].view(whole[0].dtype))
 
 
 def _vote(ok: bool, version: int, rank: int, world: int, group: Any, dev: torch.device) -> tuple[bool, int, int]:

@@ -119,7 +119,7 @@ def commit_then_nan(rank: int, world: int) -> dict[str, Any]:
             policy, trainer2 if rank == 0 else None, expected="trainable", version=5, bucket_bytes=BUCKET
         )
     )
-    trainable = [n for n, _ in policy.trainable_parameters()]
+    trainable = out["trainable"] = [n for n, _ in policy.trainable_parameters()]
     out["third_weights"] = state_equals(policy, trainer2, trainable)
     out["third_frozen_kept"] = (
         state_equals(policy, trainer, [n for n, _ in policy.model.named_parameters() if n not in trainable])
@@ -128,6 +128,19 @@ def commit_then_nan(rank: int, world: int) -> dict[str, Any]:
     )
     out["third_tables"] = tables_fresh(policy)
     out["third_version"] = policy.weight_version
+
+    # 4) the source in reverse order: no receiver's staging layout matches, so windows are received into
+    # temporary buffers and staged from them (tensors spanning windows assembled); rank 0 sends as a trainer
+    # from its two send buffers; 5) the same with rank 0's own policy staging from what it sends
+    trainer3 = make_model(9)
+    reversed_source = dict(reversed(list(trainer3.named_parameters())))
+    for key, receiver in (("fourth", policy if rank > 0 else None), ("fifth", policy)):
+        out[key] = attempt(
+            lambda receiver=receiver: broadcast_weights(
+                receiver, reversed_source if rank == 0 else None, expected="trainable", bucket_bytes=BUCKET
+            )
+        )
+        out[f"{key}_weights"] = state_equals(policy, trainer3, trainable) if receiver is not None else None
     return out
 
 
@@ -195,6 +208,11 @@ def test_commit_everywhere_then_abort_everywhere(tmp_path: Path) -> None:
         assert res["third"]["ok"] and res["third"]["version"] == 5, (r, res["third"])
         assert res["third_weights"] and res["third_tables"] and res["third_version"] == 5
         assert res["third_frozen_kept"]
+        sent = 103 if r == 0 else len(res["trainable"])  # a rank without a policy reports the whole manifest
+        assert res["fourth"] == {"ok": True, "version": 6, "num_tensors": sent}, (r, res["fourth"])
+        assert res["fourth_weights"] is (True if r > 0 else None)
+        assert res["fifth"] == {"ok": True, "version": 7, "num_tensors": len(res["trainable"])}, (r, res["fifth"])
+        assert res["fifth_weights"]
         if r > 0:
             assert res["first_weights"] and res["first_tables"] and res["first_version"] == 1
             assert res["second_weights_kept"] and res["second_version"] == 1 and not res["second_in_progress"]

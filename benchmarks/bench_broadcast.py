@@ -10,7 +10,9 @@ expert set takes in 64 MiB buckets at full size).
 
 Rank 0 holds a trainer model (no policy); rank 1 a `Pi05Policy`. Measured in the same run: a plain
 `dist.broadcast` of one flat buffer with the bytes of the expert + heads, and `broadcast_weights` of the same
-parameters (manifest as tensors, bounded buckets, validation, vote, commit). JSONL rows from rank 0.
+parameters (manifest as tensors, bounded buckets, validation, vote, commit). Each rank times from a common
+barrier to its own end (rank 1 after its commit ran on its GPU); the row reports the slowest rank per
+iteration (and each rank's p50), for the raw broadcast too. JSONL rows from rank 0.
 """
 
 from __future__ import annotations
@@ -112,13 +114,22 @@ def main() -> None:
                 torch.cuda.synchronize()
         args.trace_dir.mkdir(parents=True, exist_ok=True)
         prof.export_chrome_trace(str(args.trace_dir / f"broadcast_trace_rank{rank}.json.gz"))
+    # every rank's times: a broadcast is done when the slowest rank is (rank 1 has committed on its GPU)
+    times = torch.zeros(2, dist.get_world_size(), len(synced), dtype=torch.float64, device=device)
+    times[0, rank] = torch.tensor(raw, dtype=torch.float64)
+    times[1, rank] = torch.tensor(synced, dtype=torch.float64)
+    dist.all_reduce(times)
+    raw_slowest = times[0].max(0).values.tolist()
+    slowest = times[1].max(0).values.tolist()
+    per_rank = [_p50(times[1, r].tolist()) for r in range(dist.get_world_size())]
     version = torch.tensor([policy.weight_version if policy is not None else -1], device=device)
     dist.all_reduce(version, op=dist.ReduceOp.MAX)
     if rank == 0:
         row = {**env_row(), "bench": "weight_broadcast", "config": args.config, "world_size": dist.get_world_size(),
                "backend": dist.get_backend(), "tensors": len(source), "bytes": nbytes,
-               "raw_broadcast_p50_ms": _p50(raw), "raw_GB_per_s": nbytes / _p50(raw) / 1e6,
-               "broadcast_weights_p50_ms": _p50(synced), "ratio_to_raw": _p50(synced) / _p50(raw),
+               "raw_broadcast_p50_ms": _p50(raw_slowest), "raw_GB_per_s": nbytes / _p50(raw_slowest) / 1e6,
+               "broadcast_weights_p50_ms": _p50(slowest), "ratio_to_raw": _p50(slowest) / _p50(raw_slowest),
+               "broadcast_weights_p50_ms_per_rank": per_rank,
                "bucket_bytes": bucket, "target_ratio": 2.0, "final_version": int(version.item()),
                "report_tensors": report.num_tensors}
         print(json.dumps(row), flush=True)

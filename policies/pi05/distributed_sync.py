@@ -7,15 +7,19 @@ so it runs on gloo (CPU) and NCCL (GPU) alike.
 1. Header: `src` broadcasts int64[10] = magic, protocol, status, tensors, name bytes, payload bytes,
    bucket bytes, buckets, version (-1: none given), shape dims.
 2. Manifest: one int64 tensor [name lengths | dtype codes | ndims | payload offsets | byte sizes | shape dims |
-   the UTF-8 names, zero-padded to 8 bytes]. Each rank with a policy opens an update and checks the manifest against
-   its model (names, shapes, duplicates, the expected set complete, the version increasing).
+   the UTF-8 names, zero-padded to 8 bytes]. Each rank with a policy opens an update (before the header, so
+   that overlaps the source building the manifest), checks the manifest against its model (names, shapes,
+   duplicates, the expected set complete, the version increasing; a manifest it passed before is not checked
+   again) and prepares its receive buffers; rank src packs the first window.
    Vote 1: all_reduce(MIN) of (ok, -version, failed rank); a refusal aborts everywhere before any data moves.
 3. Buckets: the payload is laid out per dtype (one region per dtype, 16-byte aligned, tensors packed back to
    back in manifest order inside it) and sent in windows of at most `bucket_bytes` that never cross a region.
    A rank whose staging buffer for that dtype holds exactly the region's tensors in the same order (the usual
    case: the same model class on both sides, same dtype) receives the windows straight into that buffer; any
    other rank receives into a temporary window and stages the tensors from it (a tensor spanning windows is
-   assembled first).
+   assembled first). Broadcasts are asynchronous: rank src packs window w + 1 into the second of two send
+   buffers while window w is on the wire, and a window received straight into staging is waited for only
+   before validation.
 4. Each rank validates (finite values, completeness). Vote 2 decides: every rank commits with the same
    version (the given one, else the largest current version + 1), or every rank aborts and keeps its own.
 
@@ -196,11 +200,19 @@ def broadcast_weights(
         meta.copy_(_encode_meta(entries, blob))
     dist.broadcast(meta, src, group=group)
     if rank != src:
-        entries = _decode_meta(meta.cpu(), n, dims, name_bytes)
+        entries = _decode_cached(meta.cpu(), n, dims, name_bytes)
 
-    # ---- vote 1: does every policy accept the manifest?
+    # ---- the manifest check, and what each rank prepares before vote 1 (so data moves right after it)
     error: BaseException | None = None
     keep = [False] * n
+    windows = _windows(entries, bucket)
+    if len(windows) != num_buckets:
+        raise WeightSyncError(
+            f"broadcast_weights: rank {src} announced {num_buckets} buckets, the manifest gives {len(windows)}; "
+            "run the same phyai-gym version on every rank."
+        )
+    direct: dict[int, torch.Tensor] = {}  # region start -> this rank's staging buffer of that region, as bytes
+    direct_names: list[str] = []
     if policy is not None:
         try:
             if sent_version >= 0 and sent_version <= policy.weight_version:
@@ -211,33 +223,14 @@ def broadcast_weights(
             if begin_error is not None:
                 raise begin_error
             keep = policy.check_weight_manifest([(e.name, e.shape, e.dtype) for e in entries])
+            direct, direct_names = _direct_regions(policy, entries, keep)
+            staged_directly = set(direct_names)
+            for e, k in zip(entries, keep):  # zero-size tensors carry no bytes
+                if k and e.nbytes == 0 and e.name not in staged_directly:
+                    policy.update_weights([(e.name, torch.empty(e.shape, dtype=e.dtype))])
         except Exception as err:
             error = err
-    current = policy.weight_version if policy is not None else -1
-    ok, max_version, failed = _vote(error is None, current, rank, world, group, dev)
-    if not ok:
-        _abort(ours)
-        raise _failure("refused the manifest (no data was sent)", failed, rank, error)
-
-    # ---- 2. buckets
     ok_local = error is None
-    windows = _windows(entries, bucket)
-    if len(windows) != num_buckets:
-        raise WeightSyncError(
-            f"broadcast_weights: rank {src} announced {num_buckets} buckets, the manifest gives {len(windows)}; "
-            "run the same phyai-gym version on every rank."
-        )
-    direct: dict[int, torch.Tensor] = {}  # region start -> this rank's staging buffer of that region, as bytes
-    direct_names: list[str] = []
-    try:
-        if policy is not None and ok_local:
-            direct, direct_names = _direct_regions(policy, entries, keep)
-        staged_directly = set(direct_names)
-        for e, k in zip(entries, keep):  # zero-size tensors carry no bytes
-            if k and e.nbytes == 0 and policy is not None and e.name not in staged_directly:
-                policy.update_weights([(e.name, torch.empty(e.shape, dtype=e.dtype))])
-    except Exception as err:
-        error, ok_local = err, False
     packer = _Packer(entries) if rank == src else None
     # Broadcasts are queued asynchronously: on rank src the packing of window w + 1 (into the other of two send
     # buffers) runs while window w is on the wire; a window received into a staging buffer is only waited for
@@ -247,27 +240,53 @@ def broadcast_weights(
         widest = max(hi - lo for lo, hi, _ in windows)
         send = [torch.empty(widest, dtype=torch.uint8, device=dev) for _ in range(min(2, len(windows)))]
     in_flight: list[Any] = [None] * len(send)  # the broadcast last sent from each send buffer
-    works: list[tuple[Any, torch.Tensor]] = []  # (broadcast, its buffer) waited for before validation
-    assembly: dict[int, torch.Tensor] = {}
-    first = 0  # first entry not yet fully received
-    for j, (lo, hi, region) in enumerate(windows):
+
+    def window_buffer(j: int) -> tuple[torch.Tensor, int | None, bool]:
+        """Window j's buffer, its send-buffer slot (None if not one), and whether its tensors are staged from it."""
+        lo, hi, region = windows[j]
         target = direct.get(region) if ok_local else None
-        stage_here = target is None and policy is not None and ok_local  # tensors are staged from this window
-        slot = None  # the send buffer used, if any
+        stage_here = target is None and policy is not None and ok_local
         if target is not None:  # straight into (or, on rank src, straight from) this rank's staging buffer
-            buf = target[lo - region : hi - region]
-        elif send and not stage_here:
+            return target[lo - region : hi - region], None, False
+        if send and not stage_here:
             slot = j % len(send)
             if in_flight[slot] is not None:
                 in_flight[slot].wait()  # that buffer's previous window has left
-            buf = send[slot][: hi - lo]
+            return send[slot][: hi - lo], slot, False
+        return torch.empty(hi - lo, dtype=torch.uint8, device=dev), None, stage_here
+
+    # rank src packs the first window while the others check the manifest (dropped if the vote refuses)
+    pack_error: BaseException | None = None
+    packed = window_buffer(0) if packer is not None and ok_local and windows else None
+    if packed is not None:
+        try:
+            packer.fill(packed[0], windows[0][0], windows[0][1])
+        except Exception as err:
+            pack_error = err
+
+    # ---- vote 1: does every policy accept the manifest?
+    current = policy.weight_version if policy is not None else -1
+    ok, max_version, failed = _vote(error is None, current, rank, world, group, dev)
+    if not ok:
+        _abort(ours)
+        raise _failure("refused the manifest (no data was sent)", failed, rank, error)
+
+    # ---- 2. buckets
+    if pack_error is not None:  # keep broadcasting (garbage) so nobody hangs; vote 2 aborts
+        error, ok_local = pack_error, False
+    works: list[tuple[Any, torch.Tensor]] = []  # (broadcast, its buffer) waited for before validation
+    assembly: dict[int, torch.Tensor] = {}
+    first = 0  # first entry not yet fully received
+    for j, (lo, hi, _) in enumerate(windows):
+        if j == 0 and packed is not None:
+            buf, slot, stage_here = packed
         else:
-            buf = torch.empty(hi - lo, dtype=torch.uint8, device=dev)
-        if packer is not None and ok_local:
-            try:
-                packer.fill(buf, lo, hi)
-            except Exception as err:  # keep broadcasting (garbage) so nobody hangs; vote 2 aborts
-                error, ok_local = err, False
+            buf, slot, stage_here = window_buffer(j)
+            if packer is not None and ok_local:
+                try:
+                    packer.fill(buf, lo, hi)
+                except Exception as err:  # keep broadcasting (garbage) so nobody hangs; vote 2 aborts
+                    error, ok_local = err, False
         work = dist.broadcast(buf, src, group=group, async_op=True)
         if slot is not None:
             in_flight[slot] = work
@@ -438,6 +457,21 @@ def _encode_meta(entries: list[_Entry], names: bytes) -> torch.Tensor:
             torch.frombuffer(padded, dtype=torch.int64) if padded else torch.zeros(0, dtype=torch.int64),
         ]
     )
+
+
+_DECODED: dict[bytes, list[_Entry]] = {}
+"""Receivers' decoded manifests by their bytes: a trainer sends the same manifest every iteration."""
+
+
+def _decode_cached(meta: torch.Tensor, n: int, dims: int, name_bytes: int) -> list[_Entry]:
+    """`_decode_meta`, memoised on the manifest's bytes (the entries are never modified on a receiver)."""
+    key = meta.numpy().tobytes()
+    entries = _DECODED.get(key)
+    if entries is None:
+        if len(_DECODED) >= 4:
+            _DECODED.clear()
+        entries = _DECODED[key] = _decode_meta(meta, n, dims, name_bytes)
+    return entries
 
 
 def _decode_meta(meta: torch.Tensor, n: int, dims: int, name_bytes: int) -> list[_Entry]:

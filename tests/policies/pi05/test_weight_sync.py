@@ -451,6 +451,29 @@ def test_cached_plan_follows_parameter_changes() -> None:
         policy.sync_weights(fresh, expected="all")
 
 
+def test_manifest_check_is_reused_only_while_it_holds() -> None:
+    """A passed manifest check is reused by the next update with the same plan and parameter table; a changed
+    table (a parameter removed) checks again and refuses what no longer exists."""
+    policy = make_policy(make_model(seed=0))
+    trainable = dict(policy.trainable_parameters())
+    frozen = next(n for n, p in policy.model.named_parameters() if n not in trainable)
+    manifest = [(n, tuple(p.shape), p.dtype) for n, p in trainable.items()] + [
+        (frozen, tuple(policy.model.get_parameter(frozen).shape), torch.float32)
+    ]
+    results = []
+    for _ in range(2):
+        policy.begin_weight_update("trainable")
+        results.append(policy.check_weight_manifest(manifest))
+        policy.abort_weight_update()
+    assert results[0] == results[1] == [True] * len(trainable) + [False]
+    module_path, _, leaf = frozen.rpartition(".")
+    del policy.model.get_submodule(module_path)._parameters[leaf]
+    policy.begin_weight_update("trainable")
+    with pytest.raises(WeightSyncError, match=f"{frozen!r} names no parameter of this model"):
+        policy.check_weight_manifest(manifest)
+    assert not policy.weight_update_in_progress
+
+
 def test_batched_tables_match_per_norm_modulation() -> None:
     policy = make_policy(make_model(seed=3))
     tables = policy.scheduler.tables

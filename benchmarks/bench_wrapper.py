@@ -38,6 +38,7 @@ import os
 import statistics
 import subprocess
 import sys
+import threading
 import time
 from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
@@ -325,7 +326,13 @@ def _overhead_one(
 
 # -------------------------------------------------------------------------------------- 2. overlap
 class TimedPolicy:
-    """Forwards to a policy and accumulates the wall time spent inside ``act``/``value``."""
+    """Forwards to a policy and accumulates the time it is busy in ``act``/``value``.
+
+    On CPU: the host time inside the call. On CUDA, without synchronizing (a device-wide sync here would hold
+    the caller until every queued call finished, and so change the schedule it measures): per call the larger
+    of the host time inside ``act`` and the GPU span between events recorded at its entry and exit, summed
+    once they completed (`settle`).
+    """
 
     def __init__(self, policy: Any) -> None:
         self.inner = policy
@@ -334,6 +341,8 @@ class TimedPolicy:
         self.action_dim = getattr(policy, "action_dim", None)
         self.busy_s = 0.0
         self.calls = 0
+        self._pending: list[tuple[float, Any, Any]] = []
+        self._pending_lock = threading.Lock()
 
     @property
     def streams(self) -> Any:
@@ -346,21 +355,39 @@ class TimedPolicy:
         return self.inner.weight_version
 
     def act(self, obs: Mapping[str, Any], **kwargs: Any) -> PolicyOutput:
+        cuda = torch.device(self.device).type == "cuda"
+        start = torch.cuda.Event(enable_timing=True) if cuda else None
+        if start is not None:
+            start.record()
         t = time.perf_counter()
         try:
-            out = self.inner.act(obs, **kwargs)
-            sync(self.device)
-            return out
+            return self.inner.act(obs, **kwargs)
         finally:
-            self.busy_s += time.perf_counter() - t
-            self.calls += 1
+            host = time.perf_counter() - t
+            with self._pending_lock:
+                self.calls += 1
+                if start is None:
+                    self.busy_s += host
+                else:
+                    end = torch.cuda.Event(enable_timing=True)
+                    end.record()
+                    self._pending.append((host, start, end))
+
+    def settle(self) -> None:
+        """Adds the completed GPU spans to ``busy_s`` (waits for the calls still running)."""
+        with self._pending_lock:
+            pending, self._pending = self._pending, []
+        for host, start, end in pending:
+            end.synchronize()
+            self.busy_s += max(host, start.elapsed_time(end) / 1e3)
 
     def value(self, obs: Mapping[str, Any], **kwargs: Any) -> torch.Tensor:
         t = time.perf_counter()
         try:
             return self.inner.value(obs, **kwargs)
         finally:
-            self.busy_s += time.perf_counter() - t
+            with self._pending_lock:
+                self.busy_s += time.perf_counter() - t
 
 
 class EmulatedAcceleratorPolicy(GaussianPolicy):
@@ -391,11 +418,13 @@ def make_pusher_group(n: int, context: str | None, image_size: int = 224) -> gym
 
 
 def _run_steps(env: PolicyVectorEnv, policy: TimedPolicy, steps: int) -> dict[str, float]:
+    policy.settle()
     busy0, calls0, t0, executed = policy.busy_s, policy.calls, time.perf_counter(), 0
     for _ in range(steps):
         _, _, _, _, info = env.step()
         executed += int(np.asarray(info["substep_mask"]).sum())
     wall = time.perf_counter() - t0
+    policy.settle()
     return {"wall_s": wall, "busy_s": policy.busy_s - busy0, "env_steps": executed, "calls": policy.calls - calls0}
 
 

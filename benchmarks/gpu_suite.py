@@ -32,9 +32,10 @@ def _emit(out: Path, row: dict) -> None:
 
 
 def section_tests(out: Path) -> None:
-    """The CUDA-marked pytest tests (graph vs eager, adversarial buckets, aliasing, sync-free step, sync)."""
+    """The CUDA-marked pytest tests (graph vs eager, adversarial buckets, aliasing, sync-free step, sync, prefetch)."""
     log = out / "pytest_cuda.log"
-    cmd = [sys.executable, "-m", "pytest", "-q", "-m", "cuda", "-p", "no:cacheprovider", "tests/policies"]
+    cmd = [sys.executable, "-m", "pytest", "-q", "-m", "cuda", "-p", "no:cacheprovider", "tests/policies",
+           "tests/wrappers"]
     proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=400)
     log.write_text(proc.stdout + proc.stderr)
     tail = (proc.stdout.strip().splitlines() or ["(no output)"])[-1]
@@ -261,8 +262,9 @@ def section_overlap(out: Path) -> None:
     chunks = [int(c) for c in os.environ.get("PHYAI_OVERLAP_CHUNKS", "2,10").split(",")]
     for chunk in chunks:
         steps = 12 if chunk <= 2 else 4
+        # the full-size equivalence check (G=2 with and without prefetch vs G=1 on Pusher) runs at C=2
         row = bench_wrapper.bench_overlap("pi05", 16, chunk, steps=steps, rounds=2, context="forkserver", num_steps=5,
-                                          check_equal=False, device="cuda", config_name="base")
+                                          check_equal=chunk <= 2, device="cuda", config_name="base")
         bench_wrapper.emit([row], out / "gpu_results.jsonl")
 
 

@@ -21,6 +21,7 @@ Info keys of a step (``(N, ...)`` arrays of the env's array type unless noted; e
 from __future__ import annotations
 
 import multiprocessing.connection
+import threading
 from collections.abc import Callable, Mapping, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor, as_completed
 from dataclasses import dataclass
@@ -58,7 +59,7 @@ def _check_canonical(keys: Sequence[str], where: str) -> None:
 class _Prefetch:
     """A policy call started for a group's next step (cross-step prefetch), and what it must match to be used."""
 
-    future: Future[PolicyOutput]
+    future: Future[tuple[PolicyOutput, Any]]  # the output and its actions in the env's array type
     obs: Any  # the observation object it acts on (the group's `ChunkRunner.obs` when it started)
     ids: torch.Tensor  # the group's env ids, on the stream table's device
     seeds: torch.Tensor  # stream seeds of `ids` before the call
@@ -139,6 +140,8 @@ class PolicyVectorEnv(VectorWrapper):
         workers = len(envs) * (2 if self._prefetch else 1)
         self._pool = ThreadPoolExecutor(workers, "pve-group") if workers > 1 else None
         self._prefetches: dict[int, _Prefetch] = {}
+        # a policy call and the device-to-host copy of its actions are queued together (see `_act_for_env`)
+        self._launch_gate = threading.Lock()
         self._pending_seeds: torch.Tensor | None = None
         self._is_closed = False
         self._workers_broken = False
@@ -380,6 +383,26 @@ class PolicyVectorEnv(VectorWrapper):
             )
         return out
 
+    def _act_for_env(self, runner: ChunkRunner, pending_seeds: bool = True) -> tuple[PolicyOutput, Any]:
+        """One policy call and its actions in the env's array type.
+
+        For numpy envs the device-to-host copy of the actions is queued right behind the call, under a gate that
+        the next call (another group's prefetch) waits for, and only that copy is waited for. Otherwise a later
+        policy call queued on the same CUDA stream first would delay these actions by its whole duration: the
+        envs of both groups would then start together and the overlap would be lost.
+        """
+        with self._launch_gate:
+            out = self._act(runner, pending_seeds)
+            actions = out.actions
+            if not (runner.is_numpy and isinstance(actions, torch.Tensor) and actions.is_cuda):
+                return out, self._env_actions(runner, actions)
+            host = torch.empty(actions.shape, dtype=actions.dtype, pin_memory=True)
+            host.copy_(actions.detach(), non_blocking=True)
+            copied = torch.cuda.Event()
+            copied.record(torch.cuda.current_stream(actions.device))
+        copied.synchronize()
+        return out, self._env_actions(runner, host)
+
     def _env_actions(self, runner: ChunkRunner, actions: Any) -> Any:
         """Actions in the env's array type (numpy for numpy envs, torch on the env's device otherwise)."""
         if runner.is_numpy:
@@ -392,11 +415,10 @@ class PolicyVectorEnv(VectorWrapper):
         outputs, pending = [], []
         for g, runner in enumerate(self._runners):
             if actions is None:
-                outputs.append(self._take_prefetch(g, runner) or self._act(runner))
-                group_actions = outputs[-1].actions
+                out, env_actions = self._take_prefetch(g, runner) or self._act_for_env(runner)
+                outputs.append(out)
             else:
-                group_actions = actions[runner.offset : runner.offset + runner.num_envs]
-            env_actions = self._env_actions(runner, group_actions)
+                env_actions = self._env_actions(runner, actions[runner.offset : runner.offset + runner.num_envs])
             if self._pool is None:
                 pending.append(runner.run(env_actions))
             else:
@@ -426,7 +448,7 @@ class PolicyVectorEnv(VectorWrapper):
         ids = torch.arange(runner.offset, runner.offset + runner.num_envs, device=table.seeds.device)
         seeds, counters = _stream_rows(table, ids)
         self._prefetches[g] = _Prefetch(
-            future=self._pool.submit(self._act, runner, False),  # seeds of a seeded reset: reset() cancels
+            future=self._pool.submit(self._act_for_env, runner, False),  # seeds of a seeded reset: reset() cancels
             obs=runner.obs,
             ids=ids,
             seeds=seeds,
@@ -436,15 +458,15 @@ class PolicyVectorEnv(VectorWrapper):
             action_chunk=self.action_chunk,
         )
 
-    def _take_prefetch(self, g: int, runner: ChunkRunner) -> PolicyOutput | None:
-        """The prefetched output of group g if still valid; otherwise None (after restoring its streams)."""
+    def _take_prefetch(self, g: int, runner: ChunkRunner) -> tuple[PolicyOutput, Any] | None:
+        """The prefetched (output, env actions) of group g if still valid; else None (its streams restored)."""
         record = self._prefetches.pop(g, None)
         if record is None:
             return None
         try:
-            out = record.future.result()
+            out, env_actions = record.future.result()
         except Exception:  # recomputed on the main thread, which raises the error where it belongs
-            out = None
+            out = env_actions = None
         version = getattr(self.policy, "weight_version", None)
         valid = (
             out is not None
@@ -456,7 +478,7 @@ class PolicyVectorEnv(VectorWrapper):
             and (version is None or out.header.weight_version == version)
         )
         if valid:
-            return out
+            return out, env_actions
         self._restore_streams(record)
         return None
 

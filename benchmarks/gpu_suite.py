@@ -303,11 +303,16 @@ def section_broadcast(out: Path) -> None:
     if torch.cuda.device_count() < 2:
         _emit(out, {"section": "broadcast", "status": f"not run: {torch.cuda.device_count()} GPU(s), needs 2"})
         return
-    base = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2",
-            "benchmarks/bench_broadcast.py", "--out", str(out / "gpu_results.jsonl"), "--iters", "10"]
+    results = str(out / "gpu_results.jsonl")
+    runs = [
+        [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "benchmarks/bench_broadcast.py",
+         "--out", results, "--iters", "10", "--trace-dir", str(out)],
+        [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "benchmarks/bench_broadcast.py",
+         "--out", results, "--iters", "10", "--buckets", "4"],
+    ]  # fmt: skip
     logs = []
-    for extra in (["--trace-dir", str(out)], ["--buckets", "4"]):
-        proc = subprocess.run(base + extra, cwd=ROOT, capture_output=True, text=True, timeout=300)
+    for cmd in runs:
+        proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=300)
         logs.append(proc.stdout + proc.stderr)
         if proc.returncode != 0:
             break

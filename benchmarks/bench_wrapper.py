@@ -341,8 +341,9 @@ class TimedPolicy:
         self.action_dim = getattr(policy, "action_dim", None)
         self.busy_s = 0.0
         self.calls = 0
-        self._pending: list[tuple[float, Any, Any]] = []
+        self._pending: list[tuple[float, float, int, Any, Any]] = []
         self._pending_lock = threading.Lock()
+        self.timeline: list[tuple[str, int, float, float]] | None = None  # ("policy", first env id, start, end)
 
     @property
     def streams(self) -> Any:
@@ -360,6 +361,7 @@ class TimedPolicy:
         if start is not None:
             start.record()
         t = time.perf_counter()
+        first = int(next(iter(kwargs.get("env_ids") or [-1])))
         try:
             return self.inner.act(obs, **kwargs)
         finally:
@@ -368,18 +370,23 @@ class TimedPolicy:
                 self.calls += 1
                 if start is None:
                     self.busy_s += host
+                    if self.timeline is not None:
+                        self.timeline.append(("policy", first, t, t + host))
                 else:
                     end = torch.cuda.Event(enable_timing=True)
                     end.record()
-                    self._pending.append((host, start, end))
+                    self._pending.append((t, host, first, start, end))
 
     def settle(self) -> None:
         """Adds the completed GPU spans to ``busy_s`` (waits for the calls still running)."""
         with self._pending_lock:
             pending, self._pending = self._pending, []
-        for host, start, end in pending:
+        for t, host, first, start, end in pending:
             end.synchronize()
-            self.busy_s += max(host, start.elapsed_time(end) / 1e3)
+            busy = max(host, start.elapsed_time(end) / 1e3)
+            self.busy_s += busy
+            if self.timeline is not None:  # the end is approximate on CUDA: start + max(host, GPU span)
+                self.timeline.append(("policy", first, t, t + busy))
 
     def value(self, obs: Mapping[str, Any], **kwargs: Any) -> torch.Tensor:
         t = time.perf_counter()
@@ -485,6 +492,19 @@ def check_group_equivalence(policy: Any, n: int, chunk: int, context: str | None
     return {"equivalence_steps": steps, "equivalence": out}
 
 
+def _timed_run(run: Any, first: int, events: list[tuple[str, int, float, float]]) -> Any:
+    """`ChunkRunner.run` that appends ("env", first env id, start, end) to `events`."""
+
+    def timed(actions: Any) -> Any:
+        t = time.perf_counter()
+        try:
+            return run(actions)
+        finally:
+            events.append(("env", first, t, time.perf_counter()))
+
+    return timed
+
+
 def bench_overlap(
     policy_kind: str,
     num_envs: int,
@@ -500,9 +520,14 @@ def bench_overlap(
     check_equal: bool = True,
     device: str | torch.device = "cpu",
     config_name: str = "tiny",
+    switch_interval: float | None = None,
 ) -> dict[str, Any]:
     """One overlap row: G=1 vs G in `group_counts`, G=2 with ``prefetch=True`` (and G=2 run serially) on the same
-    total N, interleaved. ``policy_kind="pi05"`` runs PI0.5 of `config_name` on `device` (CUDA graphs on a GPU)."""
+    total N, interleaved. ``policy_kind="pi05"`` runs PI0.5 of `config_name` on `device` (CUDA graphs on a GPU).
+
+    `switch_interval` (seconds) adds a variant: the G2_prefetch wrapper stepped with `sys.setswitchinterval`
+    at that value (the default is 5 ms), to see whether GIL hand-offs between the prefetch, env and main threads
+    cost time. The row's `timeline_G2_prefetch` lists the env chunks and policy calls of its last round."""
     device = torch.device(device)
     probe_groups = [make_pusher_group(num_envs // 2, context) for _ in range(2)]
     if policy_kind == "pi05":
@@ -554,15 +579,38 @@ def bench_overlap(
     for i, env in enumerate(variants.values()):
         env.reset(seed=100 * i)
         _run_steps(env, timed, 1)  # warm-up
+    intervals = {}
+    if switch_interval is not None and "G2_prefetch" in variants:
+        # the same wrapper again, with a shorter GIL switch interval (tests GIL contention between threads)
+        name = f"G2_prefetch_switch_{switch_interval * 1e3:g}ms"
+        variants[name], intervals[name] = variants["G2_prefetch"], switch_interval
+    events: list[tuple[str, int, float, float]] = []
+    if "G2_prefetch" in variants:  # env chunks of the prefetch variant, for its timeline
+        for runner in variants["G2_prefetch"]._runners:
+            runner.run = _timed_run(runner.run, runner.offset, events)
     agg = {name: {"wall_s": 0.0, "busy_s": 0.0, "env_steps": 0, "calls": 0} for name in variants}
     per_round: dict[str, list[float]] = {name: [] for name in variants}
-    for _ in range(rounds):
+    timeline: list[list[Any]] = []
+    for round_index in range(rounds):
         for name, env in variants.items():
-            r = _run_steps(env, timed, steps)
+            record = name == "G2_prefetch" and round_index == rounds - 1
+            events.clear()
+            timed.timeline = events if record else None
+            default_interval = sys.getswitchinterval()
+            sys.setswitchinterval(intervals.get(name, default_interval))
+            t0 = time.perf_counter()
+            try:
+                r = _run_steps(env, timed, steps)
+            finally:
+                sys.setswitchinterval(default_interval)
+                timed.timeline = None
+            if record:
+                timeline = [[kind, first, round((a - t0) * 1e3, 1), round((b - t0) * 1e3, 1)]
+                            for kind, first, a, b in sorted(events, key=lambda e: e[2])]  # fmt: skip
             for key in agg[name]:
                 agg[name][key] += r[key]
             per_round[name].append(r["env_steps"] / r["wall_s"])
-    for env in variants.values():
+    for env in {id(env): env for env in variants.values()}.values():
         env.close()
     results = {}
     for name, a in agg.items():
@@ -603,6 +651,8 @@ def bench_overlap(
         "results": results,
         "speedup": speedups,
         "target_speedup": 1.6,
+        # last round of G2_prefetch: [kind ("env" / "policy"), first env id of the group, start ms, end ms]
+        "timeline_G2_prefetch": timeline,
     }
     if check_equal:
         row.update(check_group_equivalence(inner, num_envs, chunk, context))

@@ -22,8 +22,8 @@ from __future__ import annotations
 
 import multiprocessing.connection
 import threading
-from collections.abc import Callable, Mapping, Sequence
-from concurrent.futures import Future, ThreadPoolExecutor, as_completed
+from collections.abc import Callable, Iterator, Mapping, Sequence
+from concurrent.futures import FIRST_COMPLETED, Future, ThreadPoolExecutor, as_completed, wait
 from dataclasses import dataclass
 from typing import Any
 
@@ -411,24 +411,53 @@ class PolicyVectorEnv(VectorWrapper):
         return torch.as_tensor(actions).to(runner.device)
 
     def _run_groups(self, actions: Any) -> tuple[list[ChunkResult], list[PolicyOutput]]:
-        """Policy on group g (main thread, or its prefetched output) while earlier groups step in worker threads."""
-        outputs, pending = [], []
-        for g, runner in enumerate(self._runners):
+        """Policy on group g (main thread, or its prefetched output) while other groups step in worker threads.
+
+        With prefetches, a group's chunk starts as soon as its prefetched call is done, in the order the calls
+        finish (not in group order): waiting for group 0's call while group 1's actions are ready would start
+        both groups' envs together at every step and lock the groups in step, with nothing to overlap.
+        """
+        count = len(self._runners)
+        outputs: list[PolicyOutput | None] = [None] * count
+        pending: list[Any] = [None] * count
+        for g in self._group_order(actions is None):
+            runner = self._runners[g]
             if actions is None:
                 out, env_actions = self._take_prefetch(g, runner) or self._act_for_env(runner)
-                outputs.append(out)
+                outputs[g] = out
             else:
                 env_actions = self._env_actions(runner, actions[runner.offset : runner.offset + runner.num_envs])
             if self._pool is None:
-                pending.append(runner.run(env_actions))
+                pending[g] = runner.run(env_actions)
             else:
-                pending.append(self._pool.submit(runner.run, env_actions))
+                pending[g] = self._pool.submit(runner.run, env_actions)
         if actions is None:
             self._pending_seeds = None
+        done_outputs = [o for o in outputs if o is not None]
         if self._prefetch and actions is None:
-            return self._collect_and_prefetch(pending), outputs
+            return self._collect_and_prefetch(pending), done_outputs
         results = [p if isinstance(p, ChunkResult) else p.result() for p in pending]
-        return results, outputs
+        return results, done_outputs
+
+    def _group_order(self, policy_step: bool) -> Iterator[int]:
+        """Group indices in the order their chunks should start.
+
+        Groups whose prefetched call has finished come first, then groups without a prefetch (acted on now, on
+        this thread), then the others as their calls finish.
+        """
+        remaining = list(range(len(self._runners)))
+        while remaining:
+            if not (policy_step and self._prefetches):
+                yield remaining.pop(0)
+                continue
+            waiting = {g: self._prefetches[g].future for g in remaining if g in self._prefetches}
+            ready = [g for g, future in waiting.items() if future.done()]
+            g = ready[0] if ready else next((g for g in remaining if g not in waiting), None)
+            if g is None:
+                wait(list(waiting.values()), return_when=FIRST_COMPLETED)
+                continue
+            remaining.remove(g)
+            yield g
 
     # ------------------------------------------------------------------------------------- cross-step prefetch
     def _collect_and_prefetch(self, pending: list[Future[ChunkResult]]) -> list[ChunkResult]:

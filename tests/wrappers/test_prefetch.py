@@ -5,6 +5,7 @@ for bit; stale or cancelled prefetches are discarded with the policy's random st
 from __future__ import annotations
 
 import threading
+import time
 import warnings
 from typing import Any
 
@@ -203,6 +204,32 @@ def test_callback_sees_no_pending_prefetch_and_results_equal() -> None:
         assert_same(a, b)
     for x, y in zip(seen["G1"], seen["G2_prefetch"]):
         assert torch.equal(x, y)
+
+
+def test_a_group_whose_prefetch_finished_starts_first() -> None:
+    """Chunks start in the order the prefetched calls finish, not in group order (else the groups lock in step)."""
+
+    class SlowGaussian(CountingGaussian):
+        def act(self, obs: Any, **kwargs: Any) -> Any:
+            time.sleep(0.1)
+            return super().act(obs, **kwargs)
+
+    wrapper = make_wrapper(SlowGaussian(A, action_horizon=8, std=0.3), groups=2, prefetch=True)
+    starts: list[int] = []
+    for runner in wrapper._runners:
+
+        def run(actions: Any, inner: Any = runner.run, offset: int = runner.offset) -> Any:
+            starts.append(offset)
+            if offset == 0:
+                time.sleep(0.2)  # group 0's envs are slow: group 1's prefetch starts (and finishes) first
+            return inner(actions)
+
+        runner.run = run
+    wrapper.reset(seed=1)
+    wrapper.step()  # no prefetch yet: group order
+    wrapper.step()
+    wrapper.close()
+    assert starts == [0, 2, 2, 0]
 
 
 # ------------------------------------------------------------------------------------------------ PI0.5

@@ -27,6 +27,7 @@ import json
 import os
 import statistics
 import subprocess
+import sys
 import time
 from dataclasses import replace
 from pathlib import Path
@@ -34,23 +35,16 @@ from typing import Any
 
 import torch
 
-from policies.pi05.config import Pi05Config
-from policies.pi05.model import Pi05Model
-from policies.pi05.policy import Pi05Policy, RolloutConfig
-from policies.pi05.scheduler import SchedulerConfig
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from benchmarks.bench_policy import _Processor  # noqa: E402
+from policies.pi05.config import Pi05Config  # noqa: E402
+from policies.pi05.model import Pi05Model  # noqa: E402
+from policies.pi05.policy import Pi05Policy, RolloutConfig  # noqa: E402
+from policies.pi05.scheduler import SchedulerConfig  # noqa: E402
 
 TARGET_MS = {"expert": 10.0, "all": 30.0}  # DESIGN: in-process sync on an H200
 PINNED_RATIO_TARGET = 1.3
-
-
-class _Processor:
-    """The processor attributes Pi05Policy reads (the benchmark never calls act)."""
-
-    def __init__(self, slots: tuple[int, ...]) -> None:
-        self.slots, self.action_dim, self.prompt_buckets = slots, 7, (16,)
-
-    def postprocess(self, model_actions: torch.Tensor, chunk: int) -> torch.Tensor:
-        return model_actions[:, :chunk, :7]
 
 
 def _git_commit() -> str:
@@ -106,7 +100,7 @@ def build_policy(config_name: str, device: torch.device) -> Pi05Policy:
     slots = tuple(range(len(config.camera_slots)))
     sched = SchedulerConfig(max_batch_size=1, num_steps=(config.num_steps,), camera_sets=(slots,), prompt_buckets=(16,))
     rollout = RolloutConfig(num_steps=config.num_steps, action_chunk=min(5, config.action_horizon))
-    return Pi05Policy(model, _Processor(slots), rollout, sched)
+    return Pi05Policy(model, _Processor(slots, (16,)), rollout, sched)
 
 
 def run(out_path: str | Path, config_name: str = "base", iters: int = 10) -> list[dict[str, Any]]:
@@ -269,7 +263,7 @@ def run_host_overhead(
     slots = tuple(range(len(config.camera_slots)))
     sched = SchedulerConfig(max_batch_size=1, num_steps=(config.num_steps,), camera_sets=(slots,), prompt_buckets=(16,))
     rollout = RolloutConfig(num_steps=config.num_steps, action_chunk=min(5, config.action_horizon))
-    policy = Pi05Policy(model, _Processor(slots), rollout, sched)
+    policy = Pi05Policy(model, _Processor(slots, (16,)), rollout, sched)
     trainer = copy.deepcopy(policy.model)
     device = torch.device("cpu")
     meta = {

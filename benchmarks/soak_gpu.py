@@ -31,7 +31,7 @@ import torch
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from benchmarks.bench_policy import env_row, make_inputs  # noqa: E402
+from benchmarks.bench_policy import _Processor, env_row, make_inputs  # noqa: E402
 from policies.pi05.config import Pi05Config  # noqa: E402
 from policies.pi05.model import Pi05Model, torch_dtype  # noqa: E402
 from policies.pi05.policy import Pi05Policy, RolloutConfig  # noqa: E402
@@ -40,16 +40,6 @@ from policies.pi05.scheduler import SchedulerConfig  # noqa: E402
 SETTING = dict(cams=(0, 1), prompt=48, num_steps=5, horizon=10, chunk=5, batch=1)
 """The LIBERO RL setting of DESIGN C8."""
 TOLERANCE_BYTES = 1 << 20
-
-
-class _Processor:
-    """What `Pi05Policy` reads from a processor when it is fed processed inputs (`act_inputs`)."""
-
-    def __init__(self, slots: tuple[int, ...], prompt: int) -> None:
-        self.slots, self.action_dim, self.prompt_buckets = slots, 7, (prompt,)
-
-    def postprocess(self, model_actions: torch.Tensor, chunk: int) -> torch.Tensor:
-        return model_actions[:, :chunk, : self.action_dim].float()
 
 
 def _rss_bytes() -> int:
@@ -73,7 +63,7 @@ def build(dry_run: bool, batch: int) -> Pi05Policy:
         num_steps=(s["num_steps"],), camera_sets=(s["cams"],),
     )  # fmt: skip
     rollout = RolloutConfig(method="sde", num_steps=s["num_steps"], action_chunk=s["chunk"])
-    return Pi05Policy(model, _Processor(s["cams"], s["prompt"]), rollout, scheduler)
+    return Pi05Policy(model, _Processor(s["cams"], (s["prompt"],)), rollout, scheduler)
 
 
 def _memory(device: torch.device) -> int:

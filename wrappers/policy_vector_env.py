@@ -433,11 +433,11 @@ class PolicyVectorEnv(VectorWrapper):
                 pending[g] = self._pool.submit(runner.run, env_actions)
         if actions is None:
             self._pending_seeds = None
-        done_outputs = [o for o in outputs if o is not None]
+        acted = outputs if actions is None else []  # explicit actions: no policy outputs
         if self._prefetch and actions is None:
-            return self._collect_and_prefetch(pending), done_outputs
+            return self._collect_and_prefetch(pending), acted
         results = [p if isinstance(p, ChunkResult) else p.result() for p in pending]
-        return results, done_outputs
+        return results, acted
 
     def _group_order(self, policy_step: bool) -> Iterator[int]:
         """Group indices in the order their chunks should start.

@@ -15,6 +15,7 @@ import pytest
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
+from helpers import StandInProcessor
 
 from policies.pi05.config import Pi05Config
 from policies.pi05.distributed_sync import broadcast_weights
@@ -26,14 +27,6 @@ from policies.pi05.weight_sync import WeightSyncError
 
 BUCKET = 1 << 20  # 1 MiB: many buckets, and tensors that span several of them
 
-
-class StandInProcessor:
-    slots = (0, 1)
-    action_dim = 7
-    prompt_buckets = (16,)
-
-    def postprocess(self, model_actions: torch.Tensor, chunk: int) -> torch.Tensor:
-        return model_actions[:, :chunk, :7]
 
 
 def make_model(seed: int, value_source: str = "suffix") -> Pi05Model:

@@ -13,6 +13,7 @@ from typing import Any
 
 import pytest
 import torch
+from helpers import StandInProcessor
 
 from policies.pi05.checkpoint import DEAD_KEYS, TIED_EMBEDDING, to_external_name
 from policies.pi05.config import Pi05Config
@@ -24,16 +25,6 @@ from policies.pi05.weight_sync import WeightSyncError, WeightSyncStateError
 
 SEEDS = [0, 1]
 
-
-class StandInProcessor:
-    """What Pi05Policy needs from a processor when fed ModelInputs through act_inputs."""
-
-    slots = (0, 1)
-    action_dim = 7
-    prompt_buckets = (16,)
-
-    def postprocess(self, model_actions: torch.Tensor, chunk: int) -> torch.Tensor:
-        return model_actions[:, :chunk, :7]
 
 
 def make_model(seed: int, device: str = "cpu", dtype: torch.dtype = torch.float32, **overrides: Any) -> Pi05Model:

@@ -521,13 +521,16 @@ def bench_overlap(
     device: str | torch.device = "cpu",
     config_name: str = "tiny",
     switch_interval: float | None = None,
+    env_concurrency_variant: bool = True,
 ) -> dict[str, Any]:
     """One overlap row: G=1 vs G in `group_counts`, G=2 with ``prefetch=True`` (and G=2 run serially) on the same
     total N, interleaved. ``policy_kind="pi05"`` runs PI0.5 of `config_name` on `device` (CUDA graphs on a GPU).
 
     `switch_interval` (seconds) adds a variant: the G2_prefetch wrapper stepped with `sys.setswitchinterval`
     at that value (the default is 5 ms), to see whether GIL hand-offs between the prefetch, env and main threads
-    cost time. The row's `timeline_G2_prefetch` lists the env chunks and policy calls of its last round."""
+    cost time. `env_concurrency_variant` adds G2_prefetch_env1: G=2 with prefetch and ``env_concurrency=1`` (the
+    groups' chunks run one at a time). The row's `timeline_<variant>` lists the env chunks and policy calls of the
+    last round of each prefetch variant."""
     device = torch.device(device)
     probe_groups = [make_pusher_group(num_envs // 2, context) for _ in range(2)]
     if policy_kind == "pi05":
@@ -568,8 +571,11 @@ def bench_overlap(
         envs = [make_pusher_group(num_envs // g, context) for _ in range(g)]
         variants[f"G{g}"] = PolicyVectorEnv(envs if g > 1 else envs[0], timed, action_chunk=chunk, groups=g)
     if prefetch:
-        envs = [make_pusher_group(num_envs // 2, context) for _ in range(2)]
-        variants["G2_prefetch"] = PolicyVectorEnv(envs, timed, action_chunk=chunk, groups=2, prefetch=True)
+        for name, limit in [("G2_prefetch", None), ("G2_prefetch_env1", 1)][: 1 + env_concurrency_variant]:
+            envs = [make_pusher_group(num_envs // 2, context) for _ in range(2)]
+            variants[name] = PolicyVectorEnv(
+                envs, timed, action_chunk=chunk, groups=2, prefetch=True, env_concurrency=limit
+            )
     if serial:
         envs = [make_pusher_group(num_envs // 2, context) for _ in range(2)]
         env = PolicyVectorEnv(envs, timed, action_chunk=chunk, groups=2)
@@ -585,15 +591,16 @@ def bench_overlap(
         name = f"G2_prefetch_switch_{switch_interval * 1e3:g}ms"
         variants[name], intervals[name] = variants["G2_prefetch"], switch_interval
     events: list[tuple[str, int, float, float]] = []
-    if "G2_prefetch" in variants:  # env chunks of the prefetch variant, for its timeline
-        for runner in variants["G2_prefetch"]._runners:
+    traced = [name for name in ("G2_prefetch", "G2_prefetch_env1") if name in variants]
+    for name in traced:  # env chunks of the prefetch variants, for their timelines
+        for runner in variants[name]._runners:
             runner.run = _timed_run(runner.run, runner.offset, events)
     agg = {name: {"wall_s": 0.0, "busy_s": 0.0, "env_steps": 0, "calls": 0} for name in variants}
     per_round: dict[str, list[float]] = {name: [] for name in variants}
-    timeline: list[list[Any]] = []
+    timelines: dict[str, list[list[Any]]] = {}
     for round_index in range(rounds):
         for name, env in variants.items():
-            record = name == "G2_prefetch" and round_index == rounds - 1
+            record = name in traced and round_index == rounds - 1
             events.clear()
             timed.timeline = events if record else None
             default_interval = sys.getswitchinterval()
@@ -605,8 +612,10 @@ def bench_overlap(
                 sys.setswitchinterval(default_interval)
                 timed.timeline = None
             if record:
-                timeline = [[kind, first, round((a - t0) * 1e3, 1), round((b - t0) * 1e3, 1)]
-                            for kind, first, a, b in sorted(events, key=lambda e: e[2])]  # fmt: skip
+                timelines[f"timeline_{name}"] = [
+                    [kind, first, round((a - t0) * 1e3, 1), round((b - t0) * 1e3, 1)]
+                    for kind, first, a, b in sorted(events, key=lambda e: e[2])
+                ]
             for key in agg[name]:
                 agg[name][key] += r[key]
             per_round[name].append(r["env_steps"] / r["wall_s"])
@@ -651,8 +660,8 @@ def bench_overlap(
         "results": results,
         "speedup": speedups,
         "target_speedup": 1.6,
-        # last round of G2_prefetch: [kind ("env" / "policy"), first env id of the group, start ms, end ms]
-        "timeline_G2_prefetch": timeline,
+        # last round of each prefetch variant: [kind ("env" / "policy"), first env id of the group, start, end ms]
+        **timelines,
     }
     if check_equal:
         row.update(check_group_equivalence(inner, num_envs, chunk, context))

@@ -246,7 +246,8 @@ def section_wrapper(out: Path) -> None:
 
 def section_overlap(out: Path) -> None:
     """Env/policy overlap on the GPU: full-size PI0.5 (CUDA graphs) + Pusher-v5 rendered with EGL in subprocesses,
-    G=1 vs G=2 vs G=2 with prefetch (needs mujoco and EGL on the machine; on 2+ GPUs the envs render on GPU 1)."""
+    G=1 vs G=2 vs G=2 with prefetch, with and without ``env_concurrency=1`` (needs mujoco and EGL on the machine;
+    on 2+ GPUs the envs render on GPU 1)."""
     import os
 
     from benchmarks import bench_wrapper
@@ -266,8 +267,7 @@ def section_overlap(out: Path) -> None:
         # unless PHYAI_OVERLAP_CHECK_EQUAL=0
         check = chunk <= 2 and os.environ.get("PHYAI_OVERLAP_CHECK_EQUAL", "1") != "0"
         row = bench_wrapper.bench_overlap("pi05", 16, chunk, steps=steps, rounds=2, context="forkserver", num_steps=5,
-                                          check_equal=check, device="cuda", config_name="base",
-                                          switch_interval=0.0005 if chunk <= 2 else None)
+                                          check_equal=check, device="cuda", config_name="base")
         bench_wrapper.emit([row], out / "gpu_results.jsonl")
 
 
@@ -309,9 +309,9 @@ def section_broadcast(out: Path) -> None:
     results = str(out / "gpu_results.jsonl")
     runs = [
         [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "benchmarks/bench_broadcast.py",
-         "--out", results, "--iters", "10", "--trace-dir", str(out)],
+         "--out", results, "--iters", "30", "--trace-dir", str(out)],
         [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "benchmarks/bench_broadcast.py",
-         "--out", results, "--iters", "10", "--buckets", "4"],
+         "--out", results, "--iters", "30", "--buckets", "4"],
     ]  # fmt: skip
     logs = []
     for cmd in runs:

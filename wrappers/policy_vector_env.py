@@ -90,6 +90,12 @@ class PolicyVectorEnv(VectorWrapper):
             version and settings, and otherwise recomputes it. A discarded prefetch (stale, failed, or cancelled
             by ``step(actions)``, ``reset()``, ``sync_weights()``, ``close()`` or before the `callback` runs)
             has its envs' random streams restored, so results equal ``prefetch=False`` bit for bit.
+        env_concurrency: how many groups' env chunks may run at once (None = G). 1 runs the chunks one after
+            the other, in the order their actions were ready. Use it when all groups' envs share one resource (a
+            render GPU, a GPU simulator, fewer CPU cores than envs): there, concurrent chunks only share it, and
+            when the one that started last gets the larger share, the first one finishes late, its next policy
+            call starts late, and the stagger between the groups that overlap needs is lost. Results are
+            unchanged; only the timing moves.
 
     Example:
         >>> from policies.baseline import GaussianPolicy
@@ -114,8 +120,10 @@ class PolicyVectorEnv(VectorWrapper):
         numpy_infos: bool = False,
         callback: Callable[[PolicyVectorEnv, dict[str, Any]], None] | None = None,
         prefetch: bool = False,
+        env_concurrency: int | None = None,
     ) -> None:
         envs = self._check_envs(env, groups)
+        concurrency = self._check_concurrency(env_concurrency, len(envs))
         if not isinstance(policy, Policy):
             raise TypeError(
                 f"PolicyVectorEnv: argument `policy` must implement policies.base.Policy (device, "
@@ -140,6 +148,8 @@ class PolicyVectorEnv(VectorWrapper):
         workers = len(envs) * (2 if self._prefetch else 1)
         self._pool = ThreadPoolExecutor(workers, "pve-group") if workers > 1 else None
         self._prefetches: dict[int, _Prefetch] = {}
+        # chunks beyond `env_concurrency` wait here, in the order they were submitted (Condition wakes FIFO)
+        self._env_slots = threading.Semaphore(concurrency) if concurrency < len(envs) else None
         # a policy call and the device-to-host copy of its actions are queued together (see `_act_for_env`)
         self._launch_gate = threading.Lock()
         self._pending_seeds: torch.Tensor | None = None
@@ -169,6 +179,18 @@ class PolicyVectorEnv(VectorWrapper):
                 "[make_mujoco_env(num_envs=n // groups) for _ in range(groups)], or leave groups=None."
             )
         return envs
+
+    @staticmethod
+    def _check_concurrency(env_concurrency: int | None, groups: int) -> int:
+        if env_concurrency is None:
+            return groups
+        if isinstance(env_concurrency, bool) or not isinstance(env_concurrency, int) or env_concurrency < 1:
+            raise ValueError(
+                f"PolicyVectorEnv: argument `env_concurrency` must be None or an int >= 1, got "
+                f"{env_concurrency!r}. Fix: pass 1 to run the groups' env chunks one at a time, or None to run "
+                f"all {groups} group(s) at once."
+            )
+        return min(env_concurrency, groups)
 
     @staticmethod
     def _check_prefetch(policy: Policy) -> None:
@@ -430,7 +452,7 @@ class PolicyVectorEnv(VectorWrapper):
             if self._pool is None:
                 pending[g] = runner.run(env_actions)
             else:
-                pending[g] = self._pool.submit(runner.run, env_actions)
+                pending[g] = self._pool.submit(self._run_chunk, runner, env_actions)
         if actions is None:
             self._pending_seeds = None
         acted = outputs if actions is None else []  # explicit actions: no policy outputs
@@ -438,6 +460,13 @@ class PolicyVectorEnv(VectorWrapper):
             return self._collect_and_prefetch(pending), acted
         results = [p if isinstance(p, ChunkResult) else p.result() for p in pending]
         return results, acted
+
+    def _run_chunk(self, runner: ChunkRunner, env_actions: Any) -> ChunkResult:
+        """`runner.run` in a worker thread, holding one of the `env_concurrency` slots if they are limited."""
+        if self._env_slots is None:
+            return runner.run(env_actions)
+        with self._env_slots:
+            return runner.run(env_actions)
 
     def _group_order(self, policy_step: bool) -> Iterator[int]:
         """Group indices in the order their chunks should start.

@@ -4,6 +4,7 @@ for bit; stale or cancelled prefetches are discarded with the policy's random st
 
 from __future__ import annotations
 
+import re
 import threading
 import time
 import warnings
@@ -230,6 +231,49 @@ def test_a_group_whose_prefetch_finished_starts_first() -> None:
     wrapper.step()
     wrapper.close()
     assert starts == [0, 2, 2, 0]
+
+
+def _chunk_intervals(wrapper: PolicyVectorEnv, hold_s: float) -> list[tuple[float, float]]:
+    """Wraps each group's `run` to hold its chunk for `hold_s` and record its (start, end)."""
+    intervals: list[tuple[float, float]] = []
+    for runner in wrapper._runners:
+
+        def run(actions: Any, inner: Any = runner.run) -> Any:
+            start = time.perf_counter()
+            time.sleep(hold_s)
+            try:
+                return inner(actions)
+            finally:
+                intervals.append((start, time.perf_counter()))
+
+        runner.run = run
+    return intervals
+
+
+@pytest.mark.parametrize("prefetch", [False, True])
+def test_env_concurrency_one_runs_chunks_one_at_a_time_with_equal_results(prefetch: bool) -> None:
+    runs, overlapping = {}, {}
+    for limit in (None, 1):
+        wrapper = make_wrapper(CountingGaussian(A, action_horizon=8, std=0.3), 2, prefetch, env_concurrency=limit)
+        intervals = _chunk_intervals(wrapper, 0.05)
+        runs[limit] = script(wrapper, np.random.default_rng(3))
+        wrapper.close()
+        spans = sorted(intervals)
+        overlapping[limit] = sum(b[0] < a[1] for a, b in zip(spans, spans[1:]))
+    assert overlapping[None] > 0  # without the limit the two groups' chunks do run together
+    assert overlapping[1] == 0
+    for a, b in zip(runs[None], runs[1]):
+        assert_same(a, b)
+
+
+def test_env_concurrency_is_checked() -> None:
+    for bad in (0, -1, 1.5, True, "1"):
+        with pytest.raises(ValueError, match=rf"argument `env_concurrency` must be None or an int >= 1, got "
+                                             rf"{re.escape(repr(bad))}\. Fix: pass 1"):  # fmt: skip
+            make_wrapper(GaussianPolicy(A, action_horizon=8), 2, False, env_concurrency=bad)
+    wrapper = make_wrapper(GaussianPolicy(A, action_horizon=8), 2, False, env_concurrency=5)  # at most G
+    assert wrapper._env_slots is None
+    wrapper.close()
 
 
 # ------------------------------------------------------------------------------------------------ PI0.5

@@ -45,6 +45,7 @@ from .weight_sync import (
     WeightSource,
     WeightSyncError,
     WeightUpdateReport,
+    finite_flag,
     materialize,
     source_pairs,
 )
@@ -56,9 +57,12 @@ DEFAULT_BUCKET_BYTES = 128 << 20
 """Payload bytes per broadcast. Rank src packs into two buffers of this size (one fills while the other is on
 the wire); a receiver whose staging buffers match the manifest needs none."""
 _MAGIC = 0x5049_3035  # "PI05"
-_PROTOCOL = 3
+_PROTOCOL = 4
 _ALIGN = 16
 _HEADER = 10
+_FIRST = 16384
+"""int64 elements of the first message: the header, then the manifest (the rest, if any, in a second message).
+pi05_base's whole manifest (813 tensors) takes ~11,000."""
 _DTYPES = (
     torch.float32,
     torch.bfloat16,
@@ -135,7 +139,7 @@ def broadcast_weights(
     bucket = max(_ALIGN, -(-int(bucket_bytes) // _ALIGN) * _ALIGN)
 
     # Open this rank's update first: its preparation (parameter walk, staging buffers) overlaps the source rank
-    # building the manifest. A failure here is this rank's vote in phase 1.
+    # building the manifest. A failure here is this rank's refusal of the manifest.
     begin_error: BaseException | None = None
     ours = None  # the policy whose update this call opened (only that one is ever aborted here)
     if policy is not None:
@@ -145,7 +149,7 @@ def broadcast_weights(
         except Exception as err:
             begin_error = err
 
-    # ---- 1. header and manifest (rank src builds them from the source's metadata; nothing materialised yet)
+    # ---- 1. header and manifest, one message (rank src builds them from the source's metadata)
     entries: list[_Entry] = []
     source_error: BaseException | None = None
     if rank == src:
@@ -153,30 +157,30 @@ def broadcast_weights(
             entries = _build_entries(source, expected)
         except Exception as err:  # tell the others before raising
             source_error = err
-    header = torch.empty(_HEADER, dtype=torch.int64, device=dev)  # every element is written or received
-    blob = b""
+    first = torch.empty(_FIRST, dtype=torch.int64, device=dev)  # every element is written or received
+    message = torch.zeros(0, dtype=torch.int64)
     if rank == src:
         blob = b"".join(e.name.encode() for e in entries)
-        total = entries[-1].end if entries else 0
-        dims = sum(len(e.shape) for e in entries)
-        header.copy_(
-            torch.tensor(
-                [
-                    _MAGIC,
-                    _PROTOCOL,
-                    0 if source_error is None else 1,
-                    len(entries),
-                    len(blob),
-                    total,
-                    bucket,
-                    len(_windows(entries, bucket)),
-                    -1 if version is None else int(version),
-                    dims,
-                ]
-            )
-        )
-    dist.broadcast(header, src, group=group)
-    magic, protocol, status, n, name_bytes, total, bucket, num_buckets, sent_version, dims = header.tolist()
+        header = [
+            _MAGIC,
+            _PROTOCOL,
+            0 if source_error is None else 1,
+            len(entries),
+            len(blob),
+            entries[-1].end if entries else 0,
+            bucket,
+            len(_windows(entries, bucket)),
+            -1 if version is None else int(version),
+            sum(len(e.shape) for e in entries),
+        ]
+        message = torch.cat([torch.tensor(header, dtype=torch.int64), _encode_meta(entries, blob)])
+        head = torch.zeros(_FIRST, dtype=torch.int64)
+        head[: min(_FIRST, message.numel())] = message[:_FIRST]
+        first.copy_(head)
+    dist.broadcast(first, src, group=group)
+    if rank != src:
+        head = first.cpu()
+    magic, protocol, status, n, name_bytes, total, bucket, num_buckets, sent_version, dims = head[:_HEADER].tolist()
     if magic != _MAGIC or protocol != _PROTOCOL or status != 0:
         _abort(ours)
     if magic != _MAGIC or protocol != _PROTOCOL:
@@ -194,15 +198,18 @@ def broadcast_weights(
             f"broadcast_weights: the source on rank {src} could not be read (see rank {src}'s error); "
             "every rank keeps its weights."
         )
-    # the manifest columns and the names (as bytes in the tail) in one broadcast
-    meta = torch.empty(5 * n + dims + -(-name_bytes // 8), dtype=torch.int64, device=dev)
-    if rank == src:
-        meta.copy_(_encode_meta(entries, blob))
-    dist.broadcast(meta, src, group=group)
+    size = _HEADER + 5 * n + dims + -(-name_bytes // 8)  # the message: header, manifest columns, names
+    if size > _FIRST:  # a manifest too large for the first message: the rest in a second one
+        rest = torch.empty(size - _FIRST, dtype=torch.int64, device=dev)
+        if rank == src:
+            rest.copy_(message[_FIRST:])
+        dist.broadcast(rest, src, group=group)
+        if rank != src:
+            head = torch.cat([head, rest.cpu()])
     if rank != src:
-        entries = _decode_cached(meta.cpu(), n, dims, name_bytes)
+        entries = _decode_cached(head[_HEADER:size], n, dims, name_bytes)
 
-    # ---- the manifest check, and what each rank prepares before vote 1 (so data moves right after it)
+    # ---- the manifest check and the receive buffers
     error: BaseException | None = None
     keep = [False] * n
     windows = _windows(entries, bucket)
@@ -211,7 +218,7 @@ def broadcast_weights(
             f"broadcast_weights: rank {src} announced {num_buckets} buckets, the manifest gives {len(windows)}; "
             "run the same phyai-gym version on every rank."
         )
-    direct: dict[int, torch.Tensor] = {}  # region start -> this rank's staging buffer of that region, as bytes
+    direct: dict[int, tuple[torch.Tensor, torch.dtype]] = {}  # region start -> (staging buffer as bytes, dtype)
     direct_names: list[str] = []
     if policy is not None:
         try:
@@ -231,15 +238,19 @@ def broadcast_weights(
         except Exception as err:
             error = err
     ok_local = error is None
+    refused = not ok_local  # reported as a refusal of the manifest (else as a failure with the data)
     packer = _Packer(entries) if rank == src else None
     # Broadcasts are queued asynchronously: on rank src the packing of window w + 1 (into the other of two send
-    # buffers) runs while window w is on the wire; a window received into a staging buffer is only waited for
-    # before validation. A temporary window is waited for at once (its tensors are staged from it).
+    # buffers) runs while window w is on the wire. A window received into a staging buffer is not waited for by
+    # the host: the current stream waits for it and reduces its values for the finiteness check. A temporary
+    # window is waited for at once (its tensors are staged from it). A rank that refused the manifest, or has no
+    # policy, receives every window into one scratch buffer and discards it.
+    widest = max((hi - lo for lo, hi, _ in windows), default=0)
     send: list[torch.Tensor] = []
     if packer is not None and windows:
-        widest = max(hi - lo for lo, hi, _ in windows)
         send = [torch.empty(widest, dtype=torch.uint8, device=dev) for _ in range(min(2, len(windows)))]
     in_flight: list[Any] = [None] * len(send)  # the broadcast last sent from each send buffer
+    scratch: list[torch.Tensor] = []
 
     def window_buffer(j: int) -> tuple[torch.Tensor, int | None, bool]:
         """Window j's buffer, its send-buffer slot (None if not one), and whether its tensors are staged from it."""
@@ -247,55 +258,43 @@ def broadcast_weights(
         target = direct.get(region) if ok_local else None
         stage_here = target is None and policy is not None and ok_local
         if target is not None:  # straight into (or, on rank src, straight from) this rank's staging buffer
-            return target[lo - region : hi - region], None, False
+            return target[0][lo - region : hi - region], None, False
         if send and not stage_here:
             slot = j % len(send)
             if in_flight[slot] is not None:
                 in_flight[slot].wait()  # that buffer's previous window has left
             return send[slot][: hi - lo], slot, False
-        return torch.empty(hi - lo, dtype=torch.uint8, device=dev), None, stage_here
-
-    # rank src packs the first window while the others check the manifest (dropped if the vote refuses)
-    pack_error: BaseException | None = None
-    packed = window_buffer(0) if packer is not None and ok_local and windows else None
-    if packed is not None:
-        try:
-            packer.fill(packed[0], windows[0][0], windows[0][1])
-        except Exception as err:
-            pack_error = err
-
-    # ---- vote 1: does every policy accept the manifest?
-    current = policy.weight_version if policy is not None else -1
-    ok, max_version, failed = _vote(error is None, current, rank, world, group, dev)
-    if not ok:
-        _abort(ours)
-        raise _failure("refused the manifest (no data was sent)", failed, rank, error)
+        if not stage_here:  # discarded: one buffer serves every window (broadcasts run in order)
+            if not scratch:
+                scratch.append(torch.empty(widest, dtype=torch.uint8, device=dev))
+            return scratch[0][: hi - lo], None, False
+        return torch.empty(hi - lo, dtype=torch.uint8, device=dev), None, True
 
     # ---- 2. buckets
-    if pack_error is not None:  # keep broadcasting (garbage) so nobody hangs; vote 2 aborts
-        error, ok_local = pack_error, False
-    works: list[tuple[Any, torch.Tensor]] = []  # (broadcast, its buffer) waited for before validation
+    works: list[tuple[Any, torch.Tensor]] = []  # (broadcast, its buffer) waited for before the vote
+    window_flags: list[torch.Tensor] = []  # finiteness of the windows received straight into staging
     assembly: dict[int, torch.Tensor] = {}
-    first = 0  # first entry not yet fully received
-    for j, (lo, hi, _) in enumerate(windows):
-        if j == 0 and packed is not None:
-            buf, slot, stage_here = packed
-        else:
-            buf, slot, stage_here = window_buffer(j)
-            if packer is not None and ok_local:
-                try:
-                    packer.fill(buf, lo, hi)
-                except Exception as err:  # keep broadcasting (garbage) so nobody hangs; vote 2 aborts
-                    error, ok_local = err, False
+    first_entry = 0  # first entry not yet fully received
+    for j, (lo, hi, region) in enumerate(windows):
+        buf, slot, stage_here = window_buffer(j)
+        if packer is not None and ok_local:
+            try:
+                packer.fill(buf, lo, hi)
+            except Exception as err:  # keep broadcasting (garbage) so nobody hangs; the vote aborts
+                error, ok_local = err, False
         work = dist.broadcast(buf, src, group=group, async_op=True)
         if slot is not None:
             in_flight[slot] = work
         if not stage_here:
-            works.append((work, buf))
+            if ok_local and region in direct and policy is not None:
+                work.wait()  # on NCCL the current stream waits for the window, not the host
+                window_flags.append(finite_flag([buf.view(direct[region][1])], dev))
+            else:
+                works.append((work, buf))
             continue
         work.wait()
         ready: list[tuple[str, torch.Tensor]] = []
-        for i in range(first, n) if policy is not None and ok_local else ():
+        for i in range(first_entry, n) if ok_local else ():
             e = entries[i]
             if e.offset >= hi:
                 break
@@ -310,36 +309,43 @@ def broadcast_weights(
             assembly[i][part_lo - e.offset : part_hi - e.offset].copy_(buf[part_lo - lo : part_hi - lo])
             if e.end <= hi:
                 ready.append((e.name, _typed(assembly.pop(i), e)))
-        while first < n and entries[first].end <= hi:
-            first += 1
-        if policy is not None and ok_local and ready:
+        while first_entry < n and entries[first_entry].end <= hi:
+            first_entry += 1
+        if ok_local and ready:
             try:
-                policy.update_weights(ready)
+                policy.update_weights(ready)  # type: ignore[union-attr]
             except Exception as err:
                 error, ok_local = err, False
         del buf, ready
     for work, _ in works:
         work.wait()
     del works
-    if policy is not None and ok_local and direct_names:
-        try:
-            policy.mark_staged(direct_names)
-        except Exception as err:
-            error, ok_local = err, False
 
-    # ---- vote 2: commit everywhere or abort everywhere
+    # ---- 3. one vote on the device: every rank commits with the same version, or every rank aborts
+    flag: torch.Tensor | None = None  # this rank's staged values are finite (not read on the host)
     if policy is not None and ok_local:
         try:
-            policy.validate_weight_update()
+            if direct_names:
+                policy.mark_staged(direct_names)
+            flag = policy.weight_update_ok({dtype for _, dtype in direct.values()})
+            if window_flags:
+                flag = torch.stack([flag, *window_flags]).all()
         except Exception as err:
             error, ok_local = err, False
-    ok, _, failed = _vote(ok_local, current, rank, world, group, dev)
+    current = policy.weight_version if policy is not None else -1
+    ok, max_version, failed, failed_refused = _vote(ok_local, refused, flag, current, rank, world, group, dev)
     if not ok:
+        if flag is not None and error is None and not bool(flag):  # name the non-finite tensors
+            try:
+                policy.validate_weight_update()  # type: ignore[union-attr]
+            except Exception as err:
+                error = err
         _abort(ours)
-        raise _failure("failed while sending, receiving or validating", failed, rank, error)
+        what = "refused the manifest" if failed_refused else "failed while sending, receiving or validating"
+        raise _failure(what, failed, rank, error)
     final = sent_version if sent_version >= 0 else max_version + 1
     if policy is not None:
-        return policy.finish_weight_update(version=final)
+        return policy.finish_weight_update(version=final, checked=True)
     names = [e.name for e in entries]
     return WeightUpdateReport(
         version=final,
@@ -419,14 +425,14 @@ def _windows(entries: list[_Entry], bucket: int) -> list[tuple[int, int, int]]:
 
 def _direct_regions(
     policy: Pi05Policy, entries: list[_Entry], keep: list[bool]
-) -> tuple[dict[int, torch.Tensor], list[str]]:
+) -> tuple[dict[int, tuple[torch.Tensor, torch.dtype]], list[str]]:
     """Regions this rank receives straight into its staging buffers, and the names they stage.
 
     A region qualifies when the policy's staging buffer of that dtype holds exactly the region's tensors, in
     the same order (so the bytes land where the slots are).
     """
     layout = {dt: (arena, names) for dt, arena, names in policy.staging_layout()}
-    direct: dict[int, torch.Tensor] = {}
+    direct: dict[int, tuple[torch.Tensor, torch.dtype]] = {}
     names_out: list[str] = []
     for start, end, idx in _regions(entries):
         dt = entries[idx[0]].dtype
@@ -435,7 +441,7 @@ def _direct_regions(
             continue
         if arena.numel() * arena.element_size() != end - start:
             continue
-        direct[start] = arena.view(torch.uint8)
+        direct[start] = (arena.view(torch.uint8), dt)
         names_out += names
     return direct, names_out
 
@@ -542,12 +548,30 @@ class _Packer:
             torch.cat(whole, out=buf[span[0] - lo : span[1] - lo].view(whole[0].dtype))
 
 
-def _vote(ok: bool, version: int, rank: int, world: int, group: Any, dev: torch.device) -> tuple[bool, int, int]:
-    """all_reduce(MIN) of (ok, -version, failed rank): (all ok, largest version, lowest failed rank)."""
-    t = torch.tensor([int(ok), -version, world if ok else rank], dtype=torch.int64, device=dev)
+def _vote(
+    ok: bool,
+    refused: bool,
+    flag: torch.Tensor | None,
+    version: int,
+    rank: int,
+    world: int,
+    group: Any,
+    dev: torch.device,
+) -> tuple[bool, int, int, bool]:
+    """all_reduce(MIN) of (ok, -version, 2 * failed rank + (0 refused / 1 failed)), `flag` and-ed in on the device.
+
+    Returns (all ok, largest version, lowest failed rank, whether it refused the manifest). The flag (this rank's
+    finiteness check) is never read on the host before the vote: the reduction waits for it on the device.
+    """
+    failure = [0, -version, 2 * rank + (0 if refused else 1)]
+    if not ok or flag is None:
+        t = torch.tensor([1, -version, 2 * world] if ok else failure, dtype=torch.int64, device=dev)
+    else:
+        rows = torch.tensor([[1, -version, 2 * world], failure], dtype=torch.int64, device=dev)
+        t = torch.where(flag.to(dev), rows[0], rows[1])
     dist.all_reduce(t, op=dist.ReduceOp.MIN, group=group)
-    all_ok, neg_version, failed = t.tolist()
-    return bool(all_ok), -neg_version, failed
+    all_ok, neg_version, code = t.tolist()
+    return bool(all_ok), -neg_version, code // 2, code % 2 == 0
 
 
 def _abort(policy: Pi05Policy | None) -> None:

@@ -40,7 +40,7 @@ import itertools
 import operator
 import threading
 import time
-from collections.abc import Iterable, Iterator, Mapping, Sequence
+from collections.abc import Collection, Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
@@ -190,6 +190,7 @@ class _Transaction:
         self.received: dict[str, tuple[str, int]] = {}  # our name -> (source name, source bytes)
         self.skipped: list[str] = []
         self.validated = False
+        self.flag_issued = False  # `weight_update_ok` returned a finiteness flag for what is staged now
 
     def ours(self, name: str) -> str | None:
         """Our name for a source name (ours pass through without the prefix mapping)."""
@@ -365,6 +366,7 @@ class WeightSyncMixin:
         materialised, instead of refusing them in validation.
         """
         staged, group, group_bytes = 0, [], 0
+        txn.validated = txn.flag_issued = False  # new data: a passed check no longer covers everything
         # the first groups are small so the first copies start early; then up to the bounds
         limit_tensors, limit_bytes = 8, 16 << 20
         params, expected_set = txn.params, txn.expected_set
@@ -414,14 +416,48 @@ class WeightSyncMixin:
                 self._end(txn, f"failed: {err}")
                 raise
 
-    def finish_weight_update(self, *, version: int | None = None) -> WeightUpdateReport:
+    def weight_update_ok(self, checked: Collection[torch.dtype] = ()) -> torch.Tensor:
+        """`validate_weight_update` without waiting for the device: for a vote taken on the device.
+
+        The completeness check runs now (a failure ends the update and raises, as in `validate_weight_update`);
+        the finiteness reduction is only queued. Returns a 0-d bool tensor on the policy's device, True when
+        every staged value is finite, ready for use on the current stream. Staging buffers of the dtypes in
+        `checked` are left out (the caller reduced their bytes already). When the flag came back True,
+        ``finish_weight_update(checked=True)`` commits without reducing again; a later `update_weights` or
+        `mark_staged` voids the flag. On False, `validate_weight_update` names the tensors.
+
+        Example:
+            >>> # ok = policy.weight_update_ok(); dist.all_reduce(ok_as_int, MIN); then finish or abort
+        """
+        with self._lock:
+            txn = self._require("weight_update_ok")
+            try:
+                _raise_missing(txn, [n for n in txn.expected if n not in txn.received], "weight_update_ok")
+            except BaseException as err:
+                self._end(txn, f"failed: {err}")
+                raise
+            flag = _finite_flag(txn, frozenset(checked))
+            if txn.stream is not None:
+                torch.cuda.current_stream(self.device).wait_stream(txn.stream)
+            txn.flag_issued = True
+            return flag
+
+    def finish_weight_update(self, *, version: int | None = None, checked: bool = False) -> WeightUpdateReport:
         """Validate, then commit in place; returns the report.
 
         `version` (> the current one) sets the new version explicitly (the distributed protocol uses it so
-        that every rank agrees); the default is the current version + 1.
+        that every rank agrees); the default is the current version + 1. ``checked=True``: the flag of the last
+        `weight_update_ok` was True (the caller read it, e.g. in a vote), so the finiteness reduction is skipped.
         """
         with self._lock:
             txn = self._require("finish_weight_update")
+            if checked and not txn.flag_issued:
+                raise WeightSyncStateError(
+                    "finish_weight_update: checked=True needs the flag of weight_update_ok() for the staged data "
+                    "(none was taken since the last update_weights / mark_staged); call weight_update_ok() and "
+                    "commit only when it is True, or pass checked=False."
+                )
+            txn.validated = txn.validated or checked
             try:
                 self._validate(txn, "finish_weight_update")
                 new_version = self.weight_version + 1 if version is None else int(version)
@@ -540,6 +576,7 @@ class WeightSyncMixin:
                 if name not in txn.expected_set or name in txn.received:
                     raise WeightSyncError(f"mark_staged: {name!r} is not expected or was already received.")
                 txn.received[name] = (name, txn.plan.nbytes[name])
+            txn.validated = txn.flag_issued = False
             if txn.stream is not None:
                 txn.stream.wait_stream(torch.cuda.current_stream(self.device))
 
@@ -769,19 +806,33 @@ def _raise_missing(txn: _Transaction, missing: list[str], where: str) -> None:
         )
 
 
+def finite_flag(values: Iterable[torch.Tensor], device: torch.device) -> torch.Tensor:
+    """0-d bool tensor: every floating-point value in `values` is finite (one min/max reduction per tensor)."""
+    flags = []
+    with torch.no_grad():
+        for t in values:
+            if t.numel() and t.is_floating_point():
+                lo, hi = torch.aminmax(t)
+                flags.append(torch.isfinite(lo) & torch.isfinite(hi))
+    if not flags:
+        return torch.ones((), dtype=torch.bool, device=device)
+    return flags[0] if len(flags) == 1 else torch.stack(flags).all()
+
+
+def _finite_flag(txn: _Transaction, skip: frozenset[torch.dtype] = frozenset()) -> torch.Tensor:
+    """`finite_flag` of the staging buffers (but those of the dtypes in `skip`), queued on the staging stream."""
+    with txn.on_stream():
+        return finite_flag((a for dt, a in txn.arenas.items() if dt not in skip), txn.plan.device)
+
+
 def _nonfinite(txn: _Transaction) -> list[str]:
     """Names whose staged values are not all finite.
 
     One min/max reduction per dtype buffer on the staging stream and one wait for that stream; the per-tensor
     scan runs only when something is wrong.
     """
+    if bool(_finite_flag(txn)):
+        return []
     with txn.on_stream(), torch.no_grad():
-        flags = []
-        for arena in txn.arenas.values():
-            if arena.numel() and arena.is_floating_point():
-                lo, hi = torch.aminmax(arena)
-                flags.append(torch.isfinite(lo) & torch.isfinite(hi))
-        if not flags or bool(torch.stack(flags).all()):
-            return []
         slots = txn.slots
         return [n for n in txn.received if slots[n].is_floating_point() and not bool(torch.isfinite(slots[n]).all())]

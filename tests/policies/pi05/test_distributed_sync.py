@@ -18,7 +18,7 @@ import torch.multiprocessing as mp
 from helpers import StandInProcessor
 
 from policies.pi05.config import Pi05Config
-from policies.pi05.distributed_sync import broadcast_weights
+from policies.pi05.distributed_sync import _build_entries, broadcast_weights
 from policies.pi05.model import Pi05Model, randomize_parameters_
 from policies.pi05.policy import Pi05Policy, RolloutConfig
 from policies.pi05.rollout import RolloutTables
@@ -165,7 +165,34 @@ def refusals(rank: int, world: int) -> dict[str, Any]:
         lambda: broadcast_weights(policy, policy.model if rank == 0 else None, expected="trainable", version=0)
     )
     out["version_unchanged"] = unchanged() and policy.weight_version == 0
+
+    # a NaN from the source in a region every receiver takes straight into its staging buffer (checked per window
+    # on the receiving side, the flag and-ed into the vote on the device)
+    poisoned = make_model(7, value_source="prefix")
+    with torch.no_grad():
+        dict(poisoned.named_parameters())["expert.layers.1.mlp.up_proj.weight"][3, 2] = float("nan")
+    receiver = make_policy(0, value_source="prefix") if rank == 1 else None
+    if receiver is not None:
+        receiver.begin_weight_update("all")
+        layout = receiver.staging_layout()
+        receiver.abort_weight_update()
+        entries = _build_entries(dict(poisoned.named_parameters()), "all")
+        out["nan_direct_layout"] = len(_direct_regions_of(receiver, entries)) == len(layout)
+    out["nan"] = attempt(
+        lambda: broadcast_weights(receiver, poisoned if rank == 0 else None, expected="all", bucket_bytes=BUCKET)
+    )
+    out["nan_unchanged"] = receiver is None or (receiver.weight_version == 0 and not receiver.weight_update_in_progress)
     return out
+
+
+def _direct_regions_of(policy: Pi05Policy, entries: list) -> dict:
+    from policies.pi05.distributed_sync import _direct_regions
+
+    policy.begin_weight_update("all")
+    try:
+        return _direct_regions(policy, entries, [True] * len(entries))[0]
+    finally:
+        policy.abort_weight_update()
 
 
 SCENARIOS = {"commit_then_nan": commit_then_nan, "refusals": refusals}
@@ -222,6 +249,11 @@ def test_refusals_abort_every_rank(tmp_path: Path) -> None:
         assert not res["version"]["ok"] and "rank 0 refused the manifest" in res["version"]["error"]
         assert "version must increase" in res["version"]["error"]
         assert res["version_unchanged"]
+        assert not res["nan"]["ok"] and "rank 1 failed while sending, receiving or validating" in res["nan"]["error"]
+        assert res["nan_unchanged"]
+    assert results[1]["nan_direct_layout"]
+    nan_error = results[1]["nan"]["error"]
+    assert "non-finite" in nan_error and "expert.layers.1.mlp.up_proj.weight" in nan_error
     assert "expected shape" in results[1]["shape"]["error"]
     assert "NCCL timeout while gathering shards" in results[0]["dtensor"]["error"]
 
@@ -281,7 +313,7 @@ def test_direct_regions_receive_into_the_staging_buffers() -> None:
     assert len(direct) == len(policy.staging_layout()) and sorted(names) == sorted(source)
     packer = _Packer(entries)
     for lo, hi, region in _windows(entries, 4096):
-        packer.fill(direct[region][lo - region : hi - region], lo, hi)
+        packer.fill(direct[region][0][lo - region : hi - region], lo, hi)
     policy.mark_staged(names)
     policy.finish_weight_update()
     assert state_equals(policy, sender, list(source)) and tables_fresh(policy)

@@ -302,6 +302,47 @@ def test_lifecycle_errors(shared, new_model: Pi05Model) -> None:
     assert_unchanged(policy, before)
 
 
+def test_device_flag_commit_and_its_guards(shared, new_model: Pi05Model) -> None:
+    """`weight_update_ok` (the distributed vote's flag): False on Inf, completeness checked at once, and
+    ``finish_weight_update(checked=True)`` refused without a flag."""
+    policy, _ = shared
+    before = snapshot(policy)
+    params = dict(new_model.named_parameters())
+    trainable = [n for n, _ in policy.trainable_parameters()]
+    policy.begin_weight_update()
+    with pytest.raises(WeightSyncStateError, match=r"checked=True needs the flag of weight_update_ok\(\)"):
+        policy.finish_weight_update(checked=True)
+    policy.update_weights({n: params[n] for n in trainable[1:]})
+    with pytest.raises(WeightSyncError, match=r"weight_update_ok: 1 of the .* expected parameters .* not sent"):
+        policy.weight_update_ok()
+    assert not policy.weight_update_in_progress  # the failed check ended the update
+    bad = params[trainable[0]].clone()
+    bad.view(-1)[0] = float("inf")
+    policy.begin_weight_update()
+    policy.update_weights({**{n: params[n] for n in trainable[1:]}, trainable[0]: bad})
+    flag = policy.weight_update_ok()
+    assert flag.shape == () and flag.dtype == torch.bool and not bool(flag)
+    with pytest.raises(WeightSyncError, match=rf"non-finite values .*{trainable[0]}"):
+        policy.validate_weight_update()
+    assert_unchanged(policy, before)
+
+
+def test_device_flag_commit_equals_plain_finish(new_model: Pi05Model, inputs: ModelInputs) -> None:
+    params = dict(new_model.named_parameters())
+    outputs = []
+    for checked in (False, True):
+        policy = make_policy(make_model(seed=0))
+        trainable = [n for n, _ in policy.trainable_parameters()]
+        policy.begin_weight_update()
+        policy.update_weights({n: params[n] for n in trainable})
+        if checked:
+            assert bool(policy.weight_update_ok())
+        report = policy.finish_weight_update(checked=checked)
+        assert report.version == 1 and report.num_tensors == len(trainable)
+        outputs.append(act(policy, inputs))
+    assert_same_outputs(*outputs)
+
+
 def test_close_aborts_an_update(new_model: Pi05Model, inputs: ModelInputs) -> None:
     policy = make_policy(make_model(seed=0))
     before = snapshot(policy)

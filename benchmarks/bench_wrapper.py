@@ -401,16 +401,30 @@ class EmulatedAcceleratorPolicy(GaussianPolicy):
     """Gaussian actions after waiting ``ms_per_call + ms_per_sample * n`` without using the CPU.
 
     Emulates a policy whose model runs on an accelerator while the host waits (the main process is idle, as it is
-    while a CUDA graph replays), so the env subprocesses get the CPU cores during inference.
+    while a CUDA graph replays), so the env subprocesses get the CPU cores during inference. `ms_host_per_call`
+    of that time is spent first in a Python loop holding the GIL, as a real policy's launch path does
+    (preprocessing, copies into static buffers, graph launches).
     """
 
-    def __init__(self, action_dim: int, action_horizon: int, ms_per_sample: float, ms_per_call: float = 0.0) -> None:
+    def __init__(
+        self,
+        action_dim: int,
+        action_horizon: int,
+        ms_per_sample: float,
+        ms_per_call: float = 0.0,
+        ms_host_per_call: float = 0.0,
+    ) -> None:
         super().__init__(action_dim, action_horizon, std=0.3)
-        self.ms_per_sample, self.ms_per_call = ms_per_sample, ms_per_call
+        self.ms_per_sample, self.ms_per_call, self.ms_host_per_call = ms_per_sample, ms_per_call, ms_host_per_call
 
     def act(self, obs: Mapping[str, Any], **kwargs: Any) -> PolicyOutput:
         n = int(np.shape(obs["state"])[0])
-        time.sleep((self.ms_per_call + self.ms_per_sample * n) / 1e3)
+        total = (self.ms_per_call + self.ms_per_sample * n) / 1e3
+        start = time.perf_counter()
+        host_end = start + min(self.ms_host_per_call / 1e3, total)
+        while time.perf_counter() < host_end:  # pure Python: holds the GIL
+            pass
+        time.sleep(max(0.0, start + total - time.perf_counter()))
         return super().act(obs, **kwargs)
 
 
@@ -495,10 +509,10 @@ def check_group_equivalence(policy: Any, n: int, chunk: int, context: str | None
 def _timed_run(run: Any, first: int, events: list[tuple[str, int, float, float]]) -> Any:
     """`ChunkRunner.run` that appends ("env", first env id, start, end) to `events`."""
 
-    def timed(actions: Any) -> Any:
+    def timed(actions: Any, started: Any = None) -> Any:
         t = time.perf_counter()
         try:
-            return run(actions)
+            return run(actions, started)
         finally:
             events.append(("env", first, t, time.perf_counter()))
 
@@ -522,6 +536,7 @@ def bench_overlap(
     config_name: str = "tiny",
     switch_interval: float | None = None,
     env_concurrency_variant: bool = True,
+    ms_host_per_call: float = 0.0,
 ) -> dict[str, Any]:
     """One overlap row: G=1 vs G in `group_counts`, G=2 with ``prefetch=True`` (and G=2 run serially) on the same
     total N, interleaved. ``policy_kind="pi05"`` runs PI0.5 of `config_name` on `device` (CUDA graphs on a GPU).
@@ -542,7 +557,7 @@ def bench_overlap(
         calib = _alone_times(probe_groups, GaussianPolicy(ACTION_DIM, 10), chunk, iters=4)
         if ms_per_sample is None:  # policy time of all N envs = env time of one chunk of G=1 (both groups' envs)
             ms_per_sample = 2 * calib["env_chunk_ms_per_group_p50"] / num_envs
-        inner = EmulatedAcceleratorPolicy(ACTION_DIM, 10, ms_per_sample)
+        inner = EmulatedAcceleratorPolicy(ACTION_DIM, 10, ms_per_sample, ms_host_per_call=ms_host_per_call)
         alone = {
             **calib,
             "policy_ms_per_group_call_p50": round(ms_per_sample * num_envs / 2, 2),
@@ -650,6 +665,7 @@ def bench_overlap(
             if policy_kind == "emulated"
             else f"pi05 {config_name} {inner.model.compute_dtype}, K={num_steps}, method=sde, {device.type}",
             "ms_per_sample": ms_per_sample,
+            "ms_host_per_call": ms_host_per_call if policy_kind == "emulated" else None,
             "num_envs": num_envs,
             "action_chunk": chunk,
             "steps_per_round": steps,
@@ -752,6 +768,8 @@ def main() -> None:
     parser.add_argument("--overlap-chunk", type=int, default=2)
     parser.add_argument("--overlap-k", type=int, default=5, help="tiny PI0.5 denoise steps K (sizes the policy)")
     parser.add_argument("--ms-per-sample", type=float, default=None, help="emulated policy (default: calibrated)")
+    parser.add_argument("--ms-host-per-call", type=float, default=0.0,
+                        help="emulated policy: ms of each call spent in Python holding the GIL")
     parser.add_argument("--steps", type=int, default=4, help="wrapper steps per variant per round")
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--context", default=None, help="multiprocessing start method (fork, forkserver, spawn)")
@@ -788,6 +806,7 @@ def main() -> None:
                 check_equal=not args.no_check,
                 device=device,
                 config_name=args.config or ("base" if device.type == "cuda" else "tiny"),
+                ms_host_per_call=args.ms_host_per_call,
             )
             emit([row], args.out)
 

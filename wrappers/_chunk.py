@@ -7,6 +7,7 @@ with torch tensors on the env's device (CPU for numpy envs), so GPU observations
 
 from __future__ import annotations
 
+import threading
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -214,8 +215,19 @@ class ChunkRunner:
             return obs
         return final  # batched (ManiSkill)
 
-    def run(self, actions: Any) -> ChunkResult:
-        """Runs one chunk of (n, C, A) actions (numpy for numpy envs, torch on the env device otherwise)."""
+    def run(self, actions: Any, started: threading.Event | None = None) -> ChunkResult:
+        """Runs one chunk of (n, C, A) actions (numpy for numpy envs, torch on the env device otherwise).
+
+        `started` is set once the first sub-step's actions were handed to the envs (after ``step_async`` for an
+        env that has it, e.g. `AsyncVectorEnv`; at once otherwise), or when the chunk fails before that.
+        """
+        try:
+            return self._run(actions, started)
+        finally:
+            if started is not None:
+                started.set()
+
+    def _run(self, actions: Any, started: threading.Event | None) -> ChunkResult:
         n, chunk, dev = self.num_envs, actions.shape[1], self.device
         live = torch.ones(n, dtype=torch.bool, device=dev)
         substep_mask = torch.zeros(n, chunk, dtype=torch.bool, device=dev)
@@ -225,7 +237,16 @@ class ChunkRunner:
         success_any = success_end = None
         obs, info, final_obs, final_info = self.obs, {}, self.obs, {}
         for k in range(chunk):
-            obs, rew, term, trunc, info = self.env.step(actions[:, k])
+            if started is not None and not started.is_set():
+                if hasattr(self.env, "step_async"):
+                    self.env.step_async(actions[:, k])
+                    started.set()
+                    obs, rew, term, trunc, info = self.env.step_wait()
+                else:
+                    started.set()
+                    obs, rew, term, trunc, info = self.env.step(actions[:, k])
+            else:
+                obs, rew, term, trunc, info = self.env.step(actions[:, k])
             rew, term, trunc = self._t(rew), self._t(term).bool(), self._t(trunc).bool()
             substep_mask[:, k] = live
             substep_rewards[:, k] = torch.where(live, rew.to(torch.float64), 0.0)

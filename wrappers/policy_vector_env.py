@@ -148,6 +148,7 @@ class PolicyVectorEnv(VectorWrapper):
         workers = len(envs) * (2 if self._prefetch else 1)
         self._pool = ThreadPoolExecutor(workers, "pve-group") if workers > 1 else None
         self._prefetches: dict[int, _Prefetch] = {}
+        self._deferred: set[int] = set()  # groups whose prefetch waits for the next step's first chunk to start
         # chunks beyond `env_concurrency` wait here, in the order they were submitted (Condition wakes FIFO)
         self._env_slots = threading.Semaphore(concurrency) if concurrency < len(envs) else None
         # a policy call and the device-to-host copy of its actions are queued together (see `_act_for_env`)
@@ -442,17 +443,25 @@ class PolicyVectorEnv(VectorWrapper):
         count = len(self._runners)
         outputs: list[PolicyOutput | None] = [None] * count
         pending: list[Any] = [None] * count
-        for g in self._group_order(actions is None):
+        deferred, self._deferred = (self._deferred if actions is None else set()), set()
+        for g in self._group_order(actions is None, deferred):
             runner = self._runners[g]
             if actions is None:
                 out, env_actions = self._take_prefetch(g, runner) or self._act_for_env(runner)
                 outputs[g] = out
+                deferred.discard(g)
             else:
                 env_actions = self._env_actions(runner, actions[runner.offset : runner.offset + runner.num_envs])
             if self._pool is None:
                 pending[g] = runner.run(env_actions)
-            else:
-                pending[g] = self._pool.submit(self._run_chunk, runner, env_actions)
+                continue
+            started = threading.Event() if deferred else None
+            pending[g] = self._pool.submit(self._run_chunk, runner, env_actions, started)
+            if started is not None:  # the deferred calls start once this chunk's actions are with its envs
+                started.wait()
+                for d in sorted(deferred):
+                    self._start_prefetch(d, self._runners[d])
+                deferred.clear()
         if actions is None:
             self._pending_seeds = None
         acted = outputs if actions is None else []  # explicit actions: no policy outputs
@@ -461,18 +470,23 @@ class PolicyVectorEnv(VectorWrapper):
         results = [p if isinstance(p, ChunkResult) else p.result() for p in pending]
         return results, acted
 
-    def _run_chunk(self, runner: ChunkRunner, env_actions: Any) -> ChunkResult:
+    def _run_chunk(self, runner: ChunkRunner, env_actions: Any, started: threading.Event | None) -> ChunkResult:
         """`runner.run` in a worker thread, holding one of the `env_concurrency` slots if they are limited."""
         if self._env_slots is None:
-            return runner.run(env_actions)
-        with self._env_slots:
-            return runner.run(env_actions)
+            return runner.run(env_actions, started)
+        try:
+            with self._env_slots:
+                return runner.run(env_actions, started)
+        finally:
+            if started is not None:
+                started.set()
 
-    def _group_order(self, policy_step: bool) -> Iterator[int]:
+    def _group_order(self, policy_step: bool, deferred: set[int]) -> Iterator[int]:
         """Group indices in the order their chunks should start.
 
         Groups whose prefetched call has finished come first, then groups without a prefetch (acted on now, on
-        this thread), then the others as their calls finish.
+        this thread), then the others as their calls finish. A group in `deferred` (its call starts after the
+        first chunk has, see `_collect_and_prefetch`) is not acted on here while a prefetch is still running.
         """
         remaining = list(range(len(self._runners)))
         while remaining:
@@ -481,7 +495,9 @@ class PolicyVectorEnv(VectorWrapper):
                 continue
             waiting = {g: self._prefetches[g].future for g in remaining if g in self._prefetches}
             ready = [g for g, future in waiting.items() if future.done()]
-            g = ready[0] if ready else next((g for g in remaining if g not in waiting), None)
+            g = ready[0] if ready else next((g for g in remaining if g not in waiting and g not in deferred), None)
+            if g is None and not waiting:
+                g = remaining[0]
             if g is None:
                 wait(list(waiting.values()), return_when=FIRST_COMPLETED)
                 continue
@@ -490,13 +506,22 @@ class PolicyVectorEnv(VectorWrapper):
 
     # ------------------------------------------------------------------------------------- cross-step prefetch
     def _collect_and_prefetch(self, pending: list[Future[ChunkResult]]) -> list[ChunkResult]:
-        """Waits for the groups' chunks; as each group finishes, starts the policy call of its next step."""
+        """Waits for the groups' chunks; as each group but the last finishes, starts its next step's policy call.
+
+        The last group's call is deferred: started now, its host side (preprocessing, copies, graph launches,
+        holding the GIL) would run just as `step` returns and delay the next `step` handing the first group's
+        actions to its envs (measured on the H200: ~4 ms of every step). The next `step` starts it once the
+        first chunk's actions are with the envs (`ChunkRunner.run`'s `started`).
+        """
         group_of = {future: g for g, future in enumerate(pending)}
         results: list[ChunkResult | None] = [None] * len(pending)
-        for future in as_completed(pending):
+        for left, future in enumerate(as_completed(pending), start=1 - len(pending)):
             g = group_of[future]
             results[g] = future.result()
-            self._start_prefetch(g, self._runners[g])
+            if left:
+                self._start_prefetch(g, self._runners[g])
+            else:
+                self._deferred = {g}
         return results  # type: ignore[return-value]
 
     def _start_prefetch(self, g: int, runner: ChunkRunner) -> None:
@@ -541,7 +566,8 @@ class PolicyVectorEnv(VectorWrapper):
         return None
 
     def _cancel_prefetches(self) -> None:
-        """Waits for every pending prefetch, restores its envs' random streams and drops it."""
+        """Waits for every pending prefetch, restores its envs' random streams and drops it (and the deferred)."""
+        self._deferred = set()
         while self._prefetches:
             _, record = self._prefetches.popitem()
             try:

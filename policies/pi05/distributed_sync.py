@@ -32,7 +32,7 @@ from __future__ import annotations
 
 import bisect
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
@@ -94,6 +94,17 @@ class _Entry:
         return self.offset + self.nbytes
 
 
+PhaseHook = Callable[[str], None]
+phase_hook: PhaseHook | None = None
+"""Called with a phase name as each phase of `broadcast_weights` ends on this rank ("begin", "manifest",
+"check", "queued", "received", "vote", "commit"); benchmarks set it to time the protocol without a profiler."""
+
+
+def _phase(name: str) -> None:
+    if phase_hook is not None:
+        phase_hook(name)
+
+
 def broadcast_weights(
     policy: Pi05Policy | None,
     source: WeightSource | None = None,
@@ -148,6 +159,7 @@ def broadcast_weights(
             ours = policy
         except Exception as err:
             begin_error = err
+    _phase("begin")
 
     # ---- 1. header and manifest, one message (rank src builds them from the source's metadata)
     entries: list[_Entry] = []
@@ -208,6 +220,7 @@ def broadcast_weights(
             head = torch.cat([head, rest.cpu()])
     if rank != src:
         entries = _decode_cached(head[_HEADER:size], n, dims, name_bytes)
+    _phase("manifest")
 
     # ---- the manifest check and the receive buffers
     error: BaseException | None = None
@@ -238,6 +251,7 @@ def broadcast_weights(
         except Exception as err:
             error = err
     ok_local = error is None
+    _phase("check")
     refused = not ok_local  # reported as a refusal of the manifest (else as a failure with the data)
     packer = _Packer(entries) if rank == src else None
     # Broadcasts are queued asynchronously: on rank src the packing of window w + 1 (into the other of two send
@@ -317,9 +331,11 @@ def broadcast_weights(
             except Exception as err:
                 error, ok_local = err, False
         del buf, ready
+    _phase("queued")
     for work, _ in works:
         work.wait()
     del works
+    _phase("received")
 
     # ---- 3. one vote on the device: every rank commits with the same version, or every rank aborts
     flag: torch.Tensor | None = None  # this rank's staged values are finite (not read on the host)
@@ -334,6 +350,7 @@ def broadcast_weights(
             error, ok_local = err, False
     current = policy.weight_version if policy is not None else -1
     ok, max_version, failed, failed_refused = _vote(ok_local, refused, flag, current, rank, world, group, dev)
+    _phase("vote")
     if not ok:
         if flag is not None and error is None and not bool(flag):  # name the non-finite tensors
             try:
@@ -345,7 +362,9 @@ def broadcast_weights(
         raise _failure(what, failed, rank, error)
     final = sent_version if sent_version >= 0 else max_version + 1
     if policy is not None:
-        return policy.finish_weight_update(version=final, checked=True)
+        report = policy.finish_weight_update(version=final, checked=True)
+        _phase("commit")
+        return report
     names = [e.name for e in entries]
     return WeightUpdateReport(
         version=final,

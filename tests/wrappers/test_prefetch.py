@@ -105,10 +105,11 @@ def test_prefetch_equals_one_group_and_no_prefetch_and_is_used() -> None:
         wrapper = make_wrapper(policy, groups, prefetch)
         wrapper.reset(seed=5)
         runs[name] = [snapshot(wrapper.step()) for _ in range(8)]
-        assert len(wrapper._prefetches) == (2 if prefetch else 0)
-        wrapper.close()  # waits for (and undoes) the pending prefetches
-        # prefetch: every step after the first used the prefetched outputs; 2 were pending at close()
-        assert policy.calls == (2 * 8 + 2 if prefetch else groups * 8)
+        # prefetch: the group that finished first has its next call running, the last one's call is deferred
+        assert len(wrapper._prefetches) == len(wrapper._deferred) == (1 if prefetch else 0)
+        wrapper.close()  # waits for (and undoes) the pending prefetch
+        # prefetch: every step after the first used prefetched outputs; 1 was pending at close()
+        assert policy.calls == (2 * 8 + 1 if prefetch else groups * 8)
         runs[name + "_streams"] = policy.streams.state()
     assert any(r["terminated"].any() for r in runs["G1"])  # reset observations of finished envs are acted on
     for a, b, c in zip(runs["G1"], runs["G2"], runs["G2_prefetch"]):
@@ -139,7 +140,7 @@ def test_each_cancel_path_restores_exactly_the_streams(cancel: str) -> None:
     for wrapper in (ref, env):
         wrapper.reset(seed=2)
         wrapper.step()
-    assert len(env._prefetches) == 2
+    assert len(env._prefetches) == len(env._deferred) == 1
     for record in env._prefetches.values():
         record.future.result()
     assert not torch.equal(plain.streams.counters, fetched.streams.counters)  # the prefetches advanced them
@@ -152,7 +153,7 @@ def test_each_cancel_path_restores_exactly_the_streams(cancel: str) -> None:
             wrapper.sync_weights({"std": torch.full((A,), 0.2)})
         else:
             wrapper.close()
-    assert not env._prefetches
+    assert not env._prefetches and not env._deferred
     for x, y in zip(plain.streams.state(), fetched.streams.state()):
         assert torch.equal(x, y)
     if cancel != "close":
@@ -219,11 +220,11 @@ def test_a_group_whose_prefetch_finished_starts_first() -> None:
     starts: list[int] = []
     for runner in wrapper._runners:
 
-        def run(actions: Any, inner: Any = runner.run, offset: int = runner.offset) -> Any:
+        def run(actions: Any, started: Any = None, inner: Any = runner.run, offset: int = runner.offset) -> Any:
             starts.append(offset)
             if offset == 0:
                 time.sleep(0.2)  # group 0's envs are slow: group 1's prefetch starts (and finishes) first
-            return inner(actions)
+            return inner(actions, started)
 
         runner.run = run
     wrapper.reset(seed=1)
@@ -233,16 +234,60 @@ def test_a_group_whose_prefetch_finished_starts_first() -> None:
     assert starts == [0, 2, 2, 0]
 
 
+def test_last_group_call_starts_once_the_first_chunk_is_with_its_envs() -> None:
+    """The group that finished a step last gets its next call started by the next `step`, after the first chunk's
+    actions were handed to its envs (its host work would otherwise delay that chunk), and while that chunk runs."""
+    events: list[tuple[str, int, float]] = []
+    slow = {0: 0.1, 2: 0.0}  # step 1: group 2 finishes first and group 0 last
+
+    class Recording(CountingGaussian):
+        def act(self, obs: Any, **kwargs: Any) -> Any:
+            events.append(("act", int(kwargs["env_ids"][0]), time.perf_counter()))
+            return super().act(obs, **kwargs)
+
+    wrapper = make_wrapper(Recording(A, action_horizon=8, std=0.3), groups=2, prefetch=True)
+    for runner in wrapper._runners:  # an env with step_async / step_wait, like AsyncVectorEnv
+        env, held = runner.env, []
+
+        def step_async(actions: Any, held: list = held, offset: int = runner.offset) -> None:
+            held.append(actions)
+            events.append(("handed", offset, time.perf_counter()))
+
+        def step_wait(inner: Any = env.step, held: list = held, offset: int = runner.offset) -> Any:
+            time.sleep(slow[offset])
+            out = inner(held.pop())
+            events.append(("stepped", offset, time.perf_counter()))
+            return out
+
+        def step(actions: Any, step_async: Any = step_async, step_wait: Any = step_wait) -> Any:
+            step_async(actions)
+            return step_wait()
+
+        env.step_async, env.step_wait, env.step = step_async, step_wait, step
+    wrapper.reset(seed=1)
+    wrapper.step()
+    assert wrapper._deferred == {0} and set(wrapper._prefetches) == {1}  # group indices
+    slow[2] = 0.2
+    events.clear()
+    wrapper.step()
+    wrapper.close()
+    handed = next(e for e in events if e[0] == "handed")
+    assert handed[1] == 2  # group 2's prefetched actions were ready: its chunk started first
+    deferred_act = next(e for e in events if e[:2] == ("act", 0))
+    first_done = next(e for e in events if e[:2] == ("stepped", 2))
+    assert handed[2] < deferred_act[2] < first_done[2]
+
+
 def _chunk_intervals(wrapper: PolicyVectorEnv, hold_s: float) -> list[tuple[float, float]]:
     """Wraps each group's `run` to hold its chunk for `hold_s` and record its (start, end)."""
     intervals: list[tuple[float, float]] = []
     for runner in wrapper._runners:
 
-        def run(actions: Any, inner: Any = runner.run) -> Any:
+        def run(actions: Any, started: Any = None, inner: Any = runner.run) -> Any:
             start = time.perf_counter()
             time.sleep(hold_s)
             try:
-                return inner(actions)
+                return inner(actions, started)
             finally:
                 intervals.append((start, time.perf_counter()))
 

@@ -31,7 +31,9 @@ refuses to serve until a complete update (see `weight_sync`).
 from __future__ import annotations
 
 import bisect
+import operator
 import time
+import weakref
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
@@ -144,6 +146,23 @@ def broadcast_weights(
         >>> report.version == policy.weight_version  # doctest: +SKIP
         True
     """
+    try:
+        return _broadcast(policy, source, src, group, expected, bucket_bytes, version, device)
+    finally:  # the manifest cache must not keep the source's tensors alive
+        _release_values(_SENT.get("entries", []))
+
+
+def _broadcast(
+    policy: Pi05Policy | None,
+    source: WeightSource | None,
+    src: int,
+    group: dist.ProcessGroup | None,
+    expected: str | Sequence[str],
+    bucket_bytes: int,
+    version: int | None,
+    device: str | torch.device | None,
+) -> WeightUpdateReport:
+    """`broadcast_weights` (the manifest cache's references to the source are dropped by the caller)."""
     started = time.perf_counter()
     rank, world = dist.get_rank(), dist.get_world_size()
     dev = _comm_device(policy, group, device)
@@ -163,16 +182,16 @@ def broadcast_weights(
 
     # ---- 1. header and manifest, one message (rank src builds them from the source's metadata)
     entries: list[_Entry] = []
+    meta, blob = torch.zeros(0, dtype=torch.int64), b""
     source_error: BaseException | None = None
     if rank == src:
         try:
-            entries = _build_entries(source, expected)
+            entries, meta, blob = _manifest(source, expected)
         except Exception as err:  # tell the others before raising
             source_error = err
     first = torch.empty(_FIRST, dtype=torch.int64, device=dev)  # every element is written or received
     message = torch.zeros(0, dtype=torch.int64)
     if rank == src:
-        blob = b"".join(e.name.encode() for e in entries)
         header = [
             _MAGIC,
             _PROTOCOL,
@@ -185,7 +204,7 @@ def broadcast_weights(
             -1 if version is None else int(version),
             sum(len(e.shape) for e in entries),
         ]
-        message = torch.cat([torch.tensor(header, dtype=torch.int64), _encode_meta(entries, blob)])
+        message = torch.cat([torch.tensor(header, dtype=torch.int64), meta])
         head = torch.zeros(_FIRST, dtype=torch.int64)
         head[: min(_FIRST, message.numel())] = message[:_FIRST]
         first.copy_(head)
@@ -386,6 +405,62 @@ def _comm_device(policy: Pi05Policy | None, group: dist.ProcessGroup | None, dev
             return policy.device
         return torch.device("cuda", torch.cuda.current_device())
     return torch.device("cpu")
+
+
+_SENT: dict[str, Any] = {}
+"""Rank src's last manifest: the source's fingerprint, the entries (values detached), the encoded manifest."""
+
+
+def _manifest(source: WeightSource | None, expected: str | Sequence[str]) -> tuple[list[_Entry], torch.Tensor, bytes]:
+    """Entries (their values set), encoded manifest and name bytes of `source`.
+
+    Reused while the source holds the same tensor objects under the same names with the same shapes and dtypes,
+    as a trainer's parameters are every iteration. The cache holds weak references only (a dead tensor's id
+    can be reused, its weak reference then no longer matches); call `_release_values` when done.
+    """
+    if source is None:
+        raise WeightSyncError("broadcast_weights: rank src needs a source (a module, state dict or pairs), got None.")
+    trainable_only = isinstance(expected, str) and expected == "trainable"
+    pairs = list(source_pairs(source, "broadcast_weights", trainable_only=trainable_only))
+    values = [v for _, v in pairs]
+    key = (
+        expected if isinstance(expected, str) else tuple(expected),
+        [n for n, _ in pairs],
+        [id(v) for v in values],
+        [getattr(v, "shape", None) for v in values],
+        [getattr(v, "dtype", None) for v in values],
+    )
+    refs = _SENT.get("refs")
+    if _SENT.get("key") != key or refs is None or not all(map(operator.is_, (r() for r in refs), values)):
+        _SENT.clear()
+        entries = _build_entries(pairs, expected)
+        position = {id(v): i for i, v in enumerate(values)}
+        blob = b"".join(e.name.encode() for e in entries)
+        _SENT.update(
+            key=key,
+            refs=[_weak(v) for v in values],
+            entries=entries,
+            order=[position[id(e.value)] for e in entries],
+            meta=_encode_meta(entries, blob),
+            blob=blob,
+        )
+    entries = _SENT["entries"]
+    for e, i in zip(entries, _SENT["order"]):
+        e.value = values[i]
+    return entries, _SENT["meta"], _SENT["blob"]
+
+
+def _weak(value: Any) -> Any:
+    try:
+        return weakref.ref(value)
+    except TypeError:  # not weak-referenceable: never matches, so the manifest is rebuilt each time
+        return lambda: None
+
+
+def _release_values(entries: list[_Entry]) -> None:
+    """Drop the entries' references to the source tensors (the manifest cache must not keep them alive)."""
+    for e in entries:
+        e.value = None
 
 
 def _build_entries(source: WeightSource | None, expected: str | Sequence[str]) -> list[_Entry]:

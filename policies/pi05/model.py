@@ -58,6 +58,10 @@ class PrefixCache:
     suffix_mask: torch.Tensor | None = None
 
 
+_FUSED_NAMES = (("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj"), ("mlp.gate_proj", "mlp.up_proj"))
+"""The expert modules whose weights make up each layer's fused [q;k;v] and [gate;up] buffers, in row order."""
+
+
 def sinusoidal_time_embedding(
     t: torch.Tensor, dim: int, min_period: float, max_period: float, dtype: torch.dtype = torch.float32
 ) -> torch.Tensor:
@@ -162,39 +166,37 @@ class Pi05Model(nn.Module):
         weight = self.expert.layers[0].self_attn.q_proj.weight
         return qkv.dtype == weight.dtype == x.dtype and qkv.device == weight.device
 
+    def fused_rows(self) -> list[tuple[str, torch.Tensor]]:
+        """(parameter name, its rows in the fused buffers) for every fused weight; [] without fused copies.
+
+        Row views are made once per set of fused buffers. A weight update can write the new q, k, v, gate and
+        up values straight into these rows (as `refresh_fused_expert` does from the parameters).
+        """
+        if self.fused_expert is None:
+            return []
+        cached = getattr(self, "_fused_rows", None)
+        if cached is None or cached[0] is not self.fused_expert or cached[2] != self.fused_expert[0][0].data_ptr():
+            rows: list[tuple[str, torch.Tensor]] = []
+            for i, (buffers, layer) in enumerate(zip(self.fused_expert, self.expert.layers)):
+                for buf, names in zip(buffers, _FUSED_NAMES):
+                    weights = [layer.get_submodule(n).weight for n in names]
+                    parts = buf.split([w.shape[0] for w in weights])
+                    rows += [(f"expert.layers.{i}.{n}.weight", part) for n, part in zip(names, parts)]
+            cached = self._fused_rows = (self.fused_expert, rows, self.fused_expert[0][0].data_ptr())
+        return cached[1]
+
     def refresh_fused_expert(self) -> None:
         """Rewrite the fused copies in place from the current parameters (captured graphs stay valid).
 
-        One multi-tensor copy of every q, k, v, gate and up weight into its rows of the fused buffers (row
-        views made once per set of fused buffers; a shape mismatch raises like `copy_`).
+        One multi-tensor copy of every q, k, v, gate and up weight into its rows of the fused buffers (a shape
+        mismatch raises like `copy_`).
         """
-        if self.fused_expert is None:
+        rows = self.fused_rows()
+        if not rows:
             return
-        srcs: list[torch.Tensor] = []
-        for layer in self.expert.layers:
-            attn, mlp = layer.self_attn, layer.mlp
-            srcs += (
-                attn.q_proj.weight,
-                attn.k_proj.weight,
-                attn.v_proj.weight,
-                mlp.gate_proj.weight,
-                mlp.up_proj.weight,
-            )
-        cached = getattr(self, "_fused_rows", None)
-        if (
-            cached is None
-            or cached[0] is not self.fused_expert
-            or len(cached[1]) != len(srcs)
-            or cached[1][0].data_ptr() != self.fused_expert[0][0].data_ptr()
-        ):
-            rows: list[torch.Tensor] = []
-            for (qkv, gate_up), layer in zip(self.fused_expert, self.expert.layers):
-                attn, mlp = layer.self_attn, layer.mlp
-                rows += qkv.split([p.weight.shape[0] for p in (attn.q_proj, attn.k_proj, attn.v_proj)])
-                rows += gate_up.split([p.weight.shape[0] for p in (mlp.gate_proj, mlp.up_proj)])
-            cached = self._fused_rows = (self.fused_expert, rows)
+        params = dict(self.expert.named_parameters(prefix="expert"))
         with torch.no_grad():
-            torch._foreach_copy_(cached[1], srcs)
+            torch._foreach_copy_([row for _, row in rows], [params[name] for name, _ in rows])
 
     # ---------------------------------------------------------------------------------------- prefix
     def embed_images(self, images: torch.Tensor) -> torch.Tensor:

@@ -399,11 +399,13 @@ class Pi05Scheduler:
             out.append(self.buffers.prefix_value[: chunk.batch_size].clone())
         return torch.cat(out)
 
-    def refresh_tables(self) -> None:
+    def refresh_tables(self, fused: bool = True) -> None:
         """Recompute weight-derived tables and fused weight copies in place (after a weight commit).
 
-        Storage is kept, so captured graphs stay valid and nothing is recaptured.
+        ``fused=False`` leaves the fused copies alone (the commit wrote them). Storage is kept, so captured graphs
+        stay valid and nothing is recaptured.
         """
         if self.tables is not None:
             self.tables.refresh()
-        self.model.refresh_fused_expert()
+        if fused:
+            self.model.refresh_fused_expert()

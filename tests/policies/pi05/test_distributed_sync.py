@@ -326,3 +326,32 @@ def test_direct_regions_receive_into_the_staging_buffers() -> None:
     direct, _ = _direct_regions(policy, entries, [False] + keep[1:])
     assert len(direct) == len(policy.staging_layout()) - 1
     policy.abort_weight_update()
+
+
+def test_source_manifest_is_reused_only_for_the_same_tensors() -> None:
+    """Rank src reuses its manifest while the source holds the same tensor objects, names, shapes and dtypes, and
+    keeps no reference to the tensors between calls."""
+    import gc
+    import weakref
+
+    from policies.pi05.distributed_sync import _SENT, _manifest, _release_values
+
+    model = make_model(3)
+    source = {n: p for n, p in model.named_parameters()}
+    entries, meta, _ = _manifest(source, "all")
+    assert _manifest(source, "all")[1] is meta  # reused
+    assert _manifest(dict(source), "all")[1] is meta  # another dict, the same tensors
+    assert _manifest(source, "trainable")[1] is not meta  # another expected set
+    entries, meta, _ = _manifest(source, "all")
+    name = "expert.layers.0.mlp.up_proj.weight"
+    replaced = {**source, name: source[name].detach().clone()}  # same shape and dtype, another object
+    entries2, meta2, _ = _manifest(replaced, "all")
+    assert meta2 is not meta and torch.equal(meta2, meta)
+    assert next(e for e in entries2 if e.name == name).value is replaced[name]
+    _release_values(entries2)
+    probe = weakref.ref(replaced[name])
+    del replaced, entries2
+    gc.collect()
+    assert probe() is None  # the cache did not keep it alive
+    assert _manifest(source, "all")[1] is not meta2  # its weak reference is dead: rebuilt
+    _release_values(_SENT["entries"])

@@ -118,7 +118,7 @@ def test_stale_tables_would_be_caught(inputs: ModelInputs, monkeypatch: pytest.M
             p.mul_(1.5)
     report = reference.sync_weights(trainer)  # trainable set, refresh on
     assert report.skipped and all(not n.startswith(("expert.", "time_mlp")) for n in report.skipped)
-    monkeypatch.setattr(policy.scheduler, "refresh_tables", lambda: None)
+    monkeypatch.setattr(policy.scheduler, "refresh_tables", lambda fused=True: None)
     policy.sync_weights(trainer)
     fresh_model = make_model(seed=0)
     fresh_model.load_state_dict(trainer.state_dict())
@@ -573,3 +573,41 @@ def test_cuda_commit_is_stream_ordered_without_sync(host_source: bool) -> None:
     assert_same_outputs(queued, old_ref)
     assert_same_outputs(after, new_ref)
     assert policy.scheduler.stats.captures == captures  # nothing recaptured
+    # the staging buffers are kept between updates: a second update right behind the first must not overwrite
+    # them before the first commit (queued behind the sleep) has read them
+    back = {n: p.detach() for n, p in make_model(seed=0, device="cuda").named_parameters()}
+    torch.cuda._sleep(200_000_000)
+    policy.sync_weights(state, expected="all")  # the same weights again (version 2): its commit waits
+    middle = policy.act_inputs(x, seeds=seeds)
+    policy.sync_weights(back, expected="all")  # stages seed-0 weights into the same buffers at once
+    last = policy.act_inputs(x, seeds=seeds)
+    torch.cuda.synchronize()
+    assert_same_outputs(middle, new_ref)
+    assert_same_outputs(last, old_ref)
+
+
+def test_staging_buffers_are_kept_and_released(new_model: Pi05Model) -> None:
+    policy = make_policy(make_model(seed=0))
+    params = dict(new_model.named_parameters())
+    trainable = [n for n, _ in policy.trainable_parameters()]
+
+    def arena_ptrs() -> list[int]:
+        return [arena.data_ptr() for _, arena, _ in policy.staging_layout()]
+
+    policy.begin_weight_update()
+    first = arena_ptrs()
+    policy.update_weights({n: params[n] for n in trainable})
+    with pytest.raises(WeightSyncStateError, match="release_weight_staging: an update is in progress"):
+        policy.release_weight_staging()
+    policy.finish_weight_update()
+    policy.begin_weight_update()
+    assert arena_ptrs() == first  # reused
+    policy.abort_weight_update()
+    policy.begin_weight_update("all")  # another set: the trainable set's buffers are dropped
+    policy.abort_weight_update()
+    plans = policy._sync_plans
+    assert sum(plan._staging is not None for plan in plans.values()) == 1
+    policy.release_weight_staging()
+    assert all(plan._staging is None for plan in plans.values())
+    policy.sync_weights({n: params[n] for n in trainable})  # allocates again and commits
+    assert all(torch.equal(p, params[n]) for n, p in policy.model.named_parameters() if n in trainable)

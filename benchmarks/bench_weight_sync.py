@@ -242,6 +242,47 @@ def profile_sync(
     return rows
 
 
+def phase_times(out_path: str | Path, config_name: str = "base", iters: int = 10) -> list[dict[str, Any]]:
+    """Host time of each phase of an in-process sync (begin, update, finish) and the time to the synchronize after
+    it, p50 over `iters`, for the expert set, then all parameters, then the expert set again (an order effect, such
+    as the staging buffers of one set given back for the other's, shows as a difference between the two expert
+    rounds)."""
+    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    policy = build_policy(config_name, device)
+    sets = {
+        "trainable": {n: p.detach() for n, p in policy.trainable_parameters()},
+        "all": {n: p.detach() for n, p in policy.model.named_parameters()},
+    }
+    sources = {k: _flat_copy(v, device, pin=False) for k, v in sets.items()}
+    rows = []
+    for expected in ("trainable", "all", "trainable"):
+        source, marks = sources[expected], []
+        for i in range(iters + 2):
+            t0 = time.perf_counter()
+            policy.begin_weight_update(expected)
+            t1 = time.perf_counter()
+            policy.update_weights(source)
+            t2 = time.perf_counter()
+            policy.finish_weight_update()
+            t3 = time.perf_counter()
+            _sync(device)
+            t4 = time.perf_counter()
+            if i >= 2:
+                marks.append([(b - a) * 1e3 for a, b in ((t0, t1), (t1, t2), (t2, t3), (t3, t4), (t0, t4))])
+        p50 = [round(statistics.median(col), 3) for col in zip(*marks)]
+        rows.append({
+            "bench": "weight_sync_phases", "config": config_name, "gpu": torch.cuda.get_device_name(device)
+            if device.type == "cuda" else "cpu", "torch": torch.__version__, "commit": _git_commit(),
+            "expected": expected, "begin_ms": p50[0], "update_ms": p50[1], "finish_ms": p50[2],
+            "sync_after_ms": p50[3], "total_ms": p50[4],
+        })  # fmt: skip
+    policy.close()
+    with Path(out_path).open("a") as handle:
+        for row in rows:
+            handle.write(json.dumps(row) + "\n")
+    return rows
+
+
 def host_overhead_config() -> Pi05Config:
     """pi05_base's tensor count and names (depths 18 / 18 / 27) at tiny sizes (a 1,024-row vocabulary)."""
     tiny = Pi05Config.tiny()

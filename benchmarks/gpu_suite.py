@@ -278,6 +278,7 @@ def section_sync(out: Path) -> None:
     except ImportError as err:
         _emit(out, {"section": "sync", "status": f"not run: {err}"})
         return
+    bench_weight_sync.phase_times(out / "gpu_results.jsonl", "base")
     bench_weight_sync.run(out / "gpu_results.jsonl", "base")
     bench_weight_sync.profile_sync(out / "gpu_results.jsonl", "base", trace_dir=out)
 

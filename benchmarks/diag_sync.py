@@ -23,7 +23,7 @@ def main() -> None:
     source = _flat_copy(params, "cuda", pin=False)
     for variant in ("plain", "release_each", "spin_before", "plain"):
         rows = []
-        for i in range(8):
+        for _i in range(8):
             if variant == "release_each":
                 policy.release_weight_staging()
             if variant == "spin_before":
@@ -55,5 +55,26 @@ def main() -> None:
               "| clocks", clocks(), flush=True)
 
 
+def profile_finish() -> None:
+    import cProfile
+    import pstats
+
+    policy = build_policy("base", torch.device("cuda"))
+    params = {n: p.detach() for n, p in policy.trainable_parameters()}
+    source = _flat_copy(params, "cuda", pin=False)
+    for _ in range(3):
+        policy.sync_weights(source)
+    torch.cuda.synchronize()
+    policy.begin_weight_update("trainable")
+    policy.update_weights(source)
+    torch.cuda.synchronize()
+    prof = cProfile.Profile()
+    prof.enable()
+    policy.finish_weight_update()
+    prof.disable()
+    pstats.Stats(prof).sort_stats("cumulative").print_stats(30)
+
+
 if __name__ == "__main__":
+    profile_finish()
     main()

@@ -906,8 +906,9 @@ def _nonfinite(txn: _Transaction) -> list[str]:
     One min/max reduction per dtype buffer on the staging stream and one wait for that stream; the per-tensor
     scan runs only when something is wrong.
     """
-    if bool(_finite_flag(txn)):
-        return []
+    with txn.on_stream():  # read on the stream that computed it
+        if bool(_finite_flag(txn)):
+            return []
     with txn.on_stream(), torch.no_grad():
         slots = txn.slots
         return [n for n in txn.received if slots[n].is_floating_point() and not bool(torch.isfinite(slots[n]).all())]

@@ -525,7 +525,16 @@ def _direct_regions(
     A region qualifies when the policy's staging buffer of that dtype holds exactly the region's tensors, in
     the same order (so the bytes land where the slots are).
     """
-    layout = {dt: (arena, names) for dt, arena, names in policy.staging_layout()}
+    staging = policy.staging_layout()
+    arenas = {dt: arena for dt, arena, _ in staging}
+    if (
+        _DIRECT.get("entries") is entries
+        and _DIRECT["keep"] == keep
+        and len(_DIRECT["arenas"]) == len(staging)
+        and all(ref() is arena for ref, (_, arena, _) in zip(_DIRECT["arenas"], staging))
+    ):
+        return {start: (arenas[dt].view(torch.uint8), dt) for start, dt in _DIRECT["regions"]}, _DIRECT["names"]
+    layout = {dt: (arena, names) for dt, arena, names in staging}
     direct: dict[int, tuple[torch.Tensor, torch.dtype]] = {}
     names_out: list[str] = []
     for start, end, idx in _regions(entries):
@@ -537,7 +546,20 @@ def _direct_regions(
             continue
         direct[start] = (arena.view(torch.uint8), dt)
         names_out += names
+    _DIRECT.update(
+        entries=entries,
+        keep=list(keep),
+        arenas=[weakref.ref(arena) for _, arena, _ in staging],
+        regions=[(start, dt) for start, (_, dt) in direct.items()],
+        names=names_out,
+    )
     return direct, names_out
+
+
+_DIRECT: dict[str, Any] = {}
+"""The last `_direct_regions` result (regions and names), valid for the same decoded manifest, kept flags and
+staging buffers (weak references: a receiver keeps its staging buffers between updates, see
+`weight_sync._Plan.staging`, and this cache must not keep released ones alive)."""
 
 
 def _encode_meta(entries: list[_Entry], names: bytes) -> torch.Tensor:

@@ -13,6 +13,7 @@ camera is exactly a removed camera.
 from __future__ import annotations
 
 import math
+from collections.abc import Mapping
 from dataclasses import dataclass
 
 import torch
@@ -246,13 +247,21 @@ class Pi05Model(nn.Module):
         return PrefixCache(keys, values, valid, valid.long().sum(dim=1), output)
 
     # ---------------------------------------------------------------------------------------- expert
-    def time_condition(self, t: torch.Tensor) -> torch.Tensor:
-        """(B,) times -> (B, We) float32 adaRMS condition: swish(out(swish(in(sincos(t)))))."""
-        cfg = self.config
-        dtype = upcast_dtype(self.time_mlp_in.weight.dtype)
-        emb = sinusoidal_time_embedding(t, cfg.expert.width, cfg.min_period, cfg.max_period, dtype)
-        hidden = F.silu(self.time_mlp_in(emb))
-        return F.silu(self.time_mlp_out(hidden))
+    def time_condition(self, t: torch.Tensor, values: Mapping[str, torch.Tensor] | None = None) -> torch.Tensor:
+        """(B,) times -> (B, We) float32 adaRMS condition: swish(out(swish(in(sincos(t))))).
+
+        `values` (parameter name -> tensor) replaces the time MLP's parameters it names (a weight update computes
+        its tables from the staged values before they are committed).
+        """
+        cfg, values = self.config, values or {}
+        w_in, b_in, w_out, b_out = (
+            values.get(f"{name}.{leaf}", getattr(getattr(self, name), leaf))
+            for name in ("time_mlp_in", "time_mlp_out")
+            for leaf in ("weight", "bias")
+        )
+        emb = sinusoidal_time_embedding(t, cfg.expert.width, cfg.min_period, cfg.max_period, upcast_dtype(w_in.dtype))
+        hidden = F.silu(F.linear(emb, w_in, b_in))
+        return F.silu(F.linear(hidden, w_out, b_out))
 
     def modulations(self, cond: torch.Tensor) -> list[Modulation]:
         """(B, We) condition -> one (scale, shift, gate) per adaRMS norm (2 per layer, then the final norm)."""

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import bisect
 import time
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 
 import torch
@@ -399,13 +400,14 @@ class Pi05Scheduler:
             out.append(self.buffers.prefix_value[: chunk.batch_size].clone())
         return torch.cat(out)
 
-    def refresh_tables(self, fused: bool = True) -> None:
+    def refresh_tables(self, fused: bool = True, prepared: Mapping[int, torch.Tensor] | None = None) -> None:
         """Recompute weight-derived tables and fused weight copies in place (after a weight commit).
 
-        ``fused=False`` leaves the fused copies alone (the commit wrote them). Storage is kept, so captured graphs
-        stay valid and nothing is recaptured.
+        ``fused=False`` leaves the fused copies alone (the commit wrote them); `prepared` are the tables
+        `RolloutTables.prepare` computed from the committed values. Storage is kept, so captured graphs stay valid
+        and nothing is recaptured.
         """
         if self.tables is not None:
-            self.tables.refresh()
+            self.tables.refresh(prepared)
         if fused:
             self.model.refresh_fused_expert()

@@ -225,6 +225,7 @@ class _Transaction:
         self.skipped: list[str] = []
         self.validated = False
         self.flag_issued = False  # `weight_update_ok` returned a finiteness flag for what is staged now
+        self.prepared: dict[int, torch.Tensor] | None = None  # tables computed from the staged values
 
     def ours(self, name: str) -> str | None:
         """Our name for a source name (ours pass through without the prefix mapping)."""
@@ -419,6 +420,7 @@ class WeightSyncMixin:
         """
         staged, group, group_bytes = 0, [], 0
         txn.validated = txn.flag_issued = False  # new data: a passed check no longer covers everything
+        txn.prepared = None
         # the first groups are small so the first copies start early; then up to the bounds
         limit_tensors, limit_bytes = 8, 16 << 20
         params, expected_set = txn.params, txn.expected_set
@@ -472,8 +474,9 @@ class WeightSyncMixin:
         """`validate_weight_update` without waiting for the device: for a vote taken on the device.
 
         The completeness check runs now (a failure ends the update and raises, as in `validate_weight_update`);
-        the finiteness reduction is only queued. Returns a 0-d bool tensor on the policy's device, True when
-        every staged value is finite, ready for use on the current stream. Staging buffers of the dtypes in
+        the finiteness reduction is only queued, and so are the weight-derived tables from the staged values (the
+        commit then copies them in instead of computing them). Returns a 0-d bool tensor on the policy's device,
+        True when every staged value is finite, ready for use on the current stream. Staging buffers of the dtypes in
         `checked` are left out (the caller reduced their bytes already). When the flag came back True,
         ``finish_weight_update(checked=True)`` commits without reducing again; a later `update_weights` or
         `mark_staged` voids the flag. On False, `validate_weight_update` names the tensors.
@@ -492,6 +495,9 @@ class WeightSyncMixin:
             if txn.stream is not None:
                 torch.cuda.current_stream(self.device).wait_stream(txn.stream)
             txn.flag_issued = True
+            if self.scheduler.tables is not None:  # after the wait above: a vote on the flag does not wait for these
+                with txn.on_stream():
+                    txn.prepared = self.scheduler.tables.prepare(txn.slots)
             return flag
 
     def finish_weight_update(self, *, version: int | None = None, checked: bool = False) -> WeightUpdateReport:
@@ -629,6 +635,7 @@ class WeightSyncMixin:
                     raise WeightSyncError(f"mark_staged: {name!r} is not expected or was already received.")
                 txn.received[name] = (name, txn.plan.nbytes[name])
             txn.validated = txn.flag_issued = False
+            txn.prepared = None
             if txn.stream is not None:
                 txn.stream.wait_stream(torch.cuda.current_stream(self.device))
 
@@ -816,7 +823,7 @@ class WeightSyncMixin:
             with torch.no_grad():  # no_grad: parameters are written in place without detach
                 if len(names) == len(txn.plan.expected):  # the whole set: the plan's copy lists, fused rows too
                     _copy_groups(txn.plan.commit_groups(self.model.fused_rows()), non_blocking=False)
-                    self.scheduler.refresh_tables(fused=False)
+                    self.scheduler.refresh_tables(fused=False, prepared=txn.prepared)
                 else:
                     params, slots = txn.params, txn.slots
                     _copy_all([params[n] for n in names], [slots[n] for n in names], non_blocking=False)
@@ -825,7 +832,7 @@ class WeightSyncMixin:
                 event = torch.cuda.Event()
                 event.record(compute)
                 self._commit_event = event
-                for arena in txn.arenas.values():
+                for arena in (*txn.arenas.values(), *(txn.prepared or {}).values()):
                     arena.record_stream(compute)  # freed only after the commit copies ran
         except BaseException as err:
             self._weights_poisoned = f"a commit failed after writing began ({type(err).__name__}: {err})"

@@ -118,7 +118,7 @@ def test_stale_tables_would_be_caught(inputs: ModelInputs, monkeypatch: pytest.M
             p.mul_(1.5)
     report = reference.sync_weights(trainer)  # trainable set, refresh on
     assert report.skipped and all(not n.startswith(("expert.", "time_mlp")) for n in report.skipped)
-    monkeypatch.setattr(policy.scheduler, "refresh_tables", lambda fused=True: None)
+    monkeypatch.setattr(policy.scheduler, "refresh_tables", lambda fused=True, prepared=None: None)
     policy.sync_weights(trainer)
     fresh_model = make_model(seed=0)
     fresh_model.load_state_dict(trainer.state_dict())
@@ -329,7 +329,7 @@ def test_device_flag_commit_and_its_guards(shared, new_model: Pi05Model) -> None
 
 def test_device_flag_commit_equals_plain_finish(new_model: Pi05Model, inputs: ModelInputs) -> None:
     params = dict(new_model.named_parameters())
-    outputs = []
+    outputs, tables = [], []
     for checked in (False, True):
         policy = make_policy(make_model(seed=0))
         trainable = [n for n, _ in policy.trainable_parameters()]
@@ -340,7 +340,11 @@ def test_device_flag_commit_equals_plain_finish(new_model: Pi05Model, inputs: Mo
         report = policy.finish_weight_update(checked=checked)
         assert report.version == 1 and report.num_tensors == len(trainable)
         outputs.append(act(policy, inputs))
+        tables.append(policy.scheduler.tables[5].modulation.clone())
     assert_same_outputs(*outputs)
+    # the flag path computed the tables from the staged values before the commit: identical to computing them after
+    assert torch.equal(tables[0], tables[1])
+    assert not torch.equal(tables[0], make_policy(make_model(seed=0)).scheduler.tables[5].modulation)
 
 
 def test_close_aborts_an_update(new_model: Pi05Model, inputs: ModelInputs) -> None:

@@ -47,7 +47,6 @@ from .weight_sync import (
     WeightSource,
     WeightSyncError,
     WeightUpdateReport,
-    finite_flag,
     materialize,
     source_pairs,
 )
@@ -55,9 +54,11 @@ from .weight_sync import (
 if TYPE_CHECKING:
     from .policy import Pi05Policy
 
-DEFAULT_BUCKET_BYTES = 128 << 20
+DEFAULT_BUCKET_BYTES = 256 << 20
 """Payload bytes per broadcast. Rank src packs into two buffers of this size (one fills while the other is on
-the wire); a receiver whose staging buffers match the manifest needs none."""
+the wire); a receiver whose staging buffers match the manifest needs none. Each window costs the receiver ~0.2-0.3
+ms of host time to queue (H200 host), about what 128 MiB take on the wire, so fewer, larger windows keep the
+link busy: expert + heads (1.1 GB) went 7.45 ms in 9 windows of 128 MiB vs 6.11 ms in 5 of 277 MB (6588222)."""
 _MAGIC = 0x5049_3035  # "PI05"
 _PROTOCOL = 4
 _ALIGN = 16
@@ -305,7 +306,7 @@ def _broadcast(
 
     # ---- 2. buckets
     works: list[tuple[Any, torch.Tensor]] = []  # (broadcast, its buffer) waited for before the vote
-    window_flags: list[torch.Tensor] = []  # finiteness of the windows received straight into staging
+    bounds: dict[torch.dtype, list[torch.Tensor]] = {}  # min and max of each window received into staging
     assembly: dict[int, torch.Tensor] = {}
     first_entry = 0  # first entry not yet fully received
     for j, (lo, hi, region) in enumerate(windows):
@@ -321,7 +322,9 @@ def _broadcast(
         if not stage_here:
             if ok_local and region in direct and policy is not None:
                 work.wait()  # on NCCL the current stream waits for the window, not the host
-                window_flags.append(finite_flag([buf.view(direct[region][1])], dev))
+                dtype = direct[region][1]
+                if dtype.is_floating_point:  # one launch per window; reduced to a flag before the vote
+                    bounds.setdefault(dtype, []).extend(torch.aminmax(buf.view(dtype)))
             else:
                 works.append((work, buf))
             continue
@@ -363,8 +366,8 @@ def _broadcast(
             if direct_names:
                 policy.mark_staged(direct_names)
             flag = policy.weight_update_ok({dtype for _, dtype in direct.values()})
-            if window_flags:
-                flag = torch.stack([flag, *window_flags]).all()
+            if bounds:
+                flag = torch.stack([flag, *(torch.isfinite(torch.stack(b)).all() for b in bounds.values())]).all()
         except Exception as err:
             error, ok_local = err, False
     current = policy.weight_version if policy is not None else -1

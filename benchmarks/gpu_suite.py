@@ -303,7 +303,7 @@ def section_profile(out: Path) -> None:
 
 def section_broadcast(out: Path) -> None:
     """Rank 0 -> rank 1 weight broadcast against raw NCCL (needs 2 GPUs; torchrun in a subprocess): the default
-    bucket size (with chrome traces of one profiled broadcast per rank) and ~4 buckets of ~280 MB."""
+    bucket size (with chrome traces of one profiled broadcast per rank) and 9 buckets of ~123 MB."""
     if torch.cuda.device_count() < 2:
         _emit(out, {"section": "broadcast", "status": f"not run: {torch.cuda.device_count()} GPU(s), needs 2"})
         return
@@ -312,7 +312,7 @@ def section_broadcast(out: Path) -> None:
         [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "benchmarks/bench_broadcast.py",
          "--out", results, "--iters", "30", "--trace-dir", str(out)],
         [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "benchmarks/bench_broadcast.py",
-         "--out", results, "--iters", "30", "--buckets", "4"],
+         "--out", results, "--iters", "30", "--buckets", "9"],
     ]  # fmt: skip
     logs = []
     for cmd in runs:

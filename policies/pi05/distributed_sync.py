@@ -4,27 +4,31 @@ Every rank of `group` calls `broadcast_weights` with the same `src`, `expected` 
 also passes the source. Nothing is pickled: no object collectives, only tensor broadcasts and reductions,
 so it runs on gloo (CPU) and NCCL (GPU) alike.
 
-1. Header: `src` broadcasts int64[10] = magic, protocol, status, tensors, name bytes, payload bytes,
-   bucket bytes, buckets, version (-1: none given), shape dims.
-2. Manifest: one int64 tensor [name lengths | dtype codes | ndims | payload offsets | byte sizes | shape dims |
-   the UTF-8 names, zero-padded to 8 bytes]. Each rank with a policy opens an update (before the header, so
-   that overlaps the source building the manifest), checks the manifest against its model (names, shapes,
-   duplicates, the expected set complete, the version increasing; a manifest it passed before is not checked
-   again) and prepares its receive buffers; rank src packs the first window.
-   Vote 1: all_reduce(MIN) of (ok, -version, failed rank); a refusal aborts everywhere before any data moves.
+Protocol 4:
+
+1. First message, int64[16384]: the header (magic, protocol, status, tensors, name bytes, payload bytes,
+   bucket bytes, buckets, version (-1: none given), shape dims), then the manifest [name lengths | dtype codes |
+   ndims | payload offsets | byte sizes | shape dims | the UTF-8 names, zero-padded to 8 bytes]; a manifest
+   that does not fit sends its rest in a second message. Rank src reuses the manifest it built last while the
+   source holds the same tensors. Every rank posts the message before opening its update, so it travels while
+   `begin_weight_update` runs.
+2. Each rank with a policy checks the manifest against its model (names, shapes, duplicates, the expected set
+   complete, the version increasing; a manifest it passed before is not checked again) and finds its receive
+   buffers. A rank that refuses keeps receiving (into one scratch buffer) and votes no.
 3. Buckets: the payload is laid out per dtype (one region per dtype, 16-byte aligned, tensors packed back to
    back in manifest order inside it) and sent in windows of at most `bucket_bytes` that never cross a region.
    A rank whose staging buffer for that dtype holds exactly the region's tensors in the same order (the usual
-   case: the same model class on both sides, same dtype) receives the windows straight into that buffer; any
-   other rank receives into a temporary window and stages the tensors from it (a tensor spanning windows is
-   assembled first). Broadcasts are asynchronous: rank src packs window w + 1 into the second of two send
-   buffers while window w is on the wire, and a window received straight into staging is waited for only
-   before validation.
-4. Each rank validates (finite values, completeness). Vote 2 decides: every rank commits with the same
-   version (the given one, else the largest current version + 1), or every rank aborts and keeps its own.
+   case: the same model class on both sides, same dtype) receives the windows straight into that buffer, and
+   reduces each window to its min and max as it lands; any other rank receives into a temporary window and
+   stages the tensors from it (a tensor spanning windows is assembled first). Broadcasts are asynchronous:
+   rank src packs window w + 1 into the second of two send buffers while window w is on the wire.
+4. One vote: each rank's completeness check runs on the host, its finiteness flag stays on the device
+   (`weight_update_ok`, which also queues the weight-derived tables from the staged values) and is and-ed into
+   all_reduce(MIN) of (ok, -version, 2 x failed rank + phase). Every rank commits with the same version (the
+   given one, else the largest current version + 1), or every rank aborts and keeps its own.
 
 A rank that fails keeps taking part in every collective until the vote, so nobody hangs. A failure after
-vote 2 (the commit itself failing on a device) cannot be undone on the other ranks; that rank's policy then
+the vote (the commit itself failing on a device) cannot be undone on the other ranks; that rank's policy then
 refuses to serve until a complete update (see `weight_sync`).
 """
 
@@ -169,19 +173,8 @@ def _broadcast(
     dev = _comm_device(policy, group, device)
     bucket = max(_ALIGN, -(-int(bucket_bytes) // _ALIGN) * _ALIGN)
 
-    # Open this rank's update first: its preparation (parameter walk, staging buffers) overlaps the source rank
-    # building the manifest. A failure here is this rank's refusal of the manifest.
-    begin_error: BaseException | None = None
-    ours = None  # the policy whose update this call opened (only that one is ever aborted here)
-    if policy is not None:
-        try:
-            policy.begin_weight_update(expected)
-            ours = policy
-        except Exception as err:
-            begin_error = err
-    _phase("begin")
-
-    # ---- 1. header and manifest, one message (rank src builds them from the source's metadata)
+    # ---- 1. header and manifest, one message (rank src builds them from the source's metadata). The message is
+    # posted before this rank opens its update, so that it travels while `begin_weight_update` runs.
     entries: list[_Entry] = []
     meta, blob = torch.zeros(0, dtype=torch.int64), b""
     source_error: BaseException | None = None
@@ -209,7 +202,19 @@ def _broadcast(
         head = torch.zeros(_FIRST, dtype=torch.int64)
         head[: min(_FIRST, message.numel())] = message[:_FIRST]
         first.copy_(head)
-    dist.broadcast(first, src, group=group)
+    first_work = dist.broadcast(first, src, group=group, async_op=True)
+
+    # Open this rank's update (parameter table check, staging buffers). A failure is its refusal of the manifest.
+    begin_error: BaseException | None = None
+    ours = None  # the policy whose update this call opened (only that one is ever aborted here)
+    if policy is not None:
+        try:
+            policy.begin_weight_update(expected)
+            ours = policy
+        except Exception as err:
+            begin_error = err
+    _phase("begin")
+    first_work.wait()
     if rank != src:
         head = first.cpu()
     magic, protocol, status, n, name_bytes, total, bucket, num_buckets, sent_version, dims = head[:_HEADER].tolist()

@@ -195,7 +195,20 @@ def _direct_regions_of(policy: Pi05Policy, entries: list) -> dict:
         policy.abort_weight_update()
 
 
-SCENARIOS = {"commit_then_nan": commit_then_nan, "refusals": refusals}
+def long_manifest(rank: int, world: int) -> dict[str, Any]:
+    """A first message too small for the manifest: the rest goes in a second message (pi05_base's whole manifest
+    takes ~11,000 of the 16,384 elements; a larger model would overflow)."""
+    from policies.pi05 import distributed_sync
+
+    distributed_sync._FIRST = 64
+    policy = make_policy(0) if rank > 0 else None
+    trainer = make_model(7)
+    out = {"first": attempt(lambda: broadcast_weights(policy, trainer if rank == 0 else None, expected="all"))}
+    out["weights"] = state_equals(policy, trainer) if policy is not None else None
+    return out
+
+
+SCENARIOS = {"commit_then_nan": commit_then_nan, "refusals": refusals, "long_manifest": long_manifest}
 
 
 def _worker(rank: int, world: int, scenario: str, tmp: str) -> None:
@@ -256,6 +269,13 @@ def test_refusals_abort_every_rank(tmp_path: Path) -> None:
     assert "non-finite" in nan_error and "expert.layers.1.mlp.up_proj.weight" in nan_error
     assert "expected shape" in results[1]["shape"]["error"]
     assert "NCCL timeout while gathering shards" in results[0]["dtensor"]["error"]
+
+
+def test_manifest_longer_than_the_first_message(tmp_path: Path) -> None:
+    results = run("long_manifest", 2, tmp_path)
+    for r, res in enumerate(results):
+        assert res["first"] == {"ok": True, "version": 1, "num_tensors": 103}, (r, res["first"])
+    assert results[1]["weights"]
 
 
 @pytest.mark.parametrize("bucket", [16, 1000, 64 << 20])

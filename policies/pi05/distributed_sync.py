@@ -35,6 +35,7 @@ refuses to serve until a complete update (see `weight_sync`).
 from __future__ import annotations
 
 import bisect
+import contextlib
 import operator
 import time
 import weakref
@@ -311,7 +312,15 @@ def _broadcast(
 
     # ---- 2. buckets
     works: list[tuple[Any, torch.Tensor]] = []  # (broadcast, its buffer) waited for before the vote
-    bounds: dict[torch.dtype, list[torch.Tensor]] = {}  # min and max of each window received into staging
+    # min and max of each window received into staging, reduced on a side stream as each lands: on the current
+    # stream the reduction of window w would hold back window w + 1 (a collective first waits for that stream)
+    side = _side_stream(dev)
+    counts: dict[torch.dtype, int] = {}
+    for _, _, region in windows if ok_local and policy is not None else ():
+        if region in direct and direct[region][1].is_floating_point:
+            counts[direct[region][1]] = counts.get(direct[region][1], 0) + 1
+    bounds = {dt: torch.empty(2, c, dtype=dt, device=dev) for dt, c in counts.items()}
+    used = dict.fromkeys(counts, 0)
     assembly: dict[int, torch.Tensor] = {}
     first_entry = 0  # first entry not yet fully received
     for j, (lo, hi, region) in enumerate(windows):
@@ -325,13 +334,14 @@ def _broadcast(
         if slot is not None:
             in_flight[slot] = work
         if not stage_here:
-            if ok_local and region in direct and policy is not None:
-                work.wait()  # on NCCL the current stream waits for the window, not the host
-                dtype = direct[region][1]
-                if dtype.is_floating_point:  # one launch per window; reduced to a flag before the vote
-                    bounds.setdefault(dtype, []).extend(torch.aminmax(buf.view(dtype)))
-            else:
-                works.append((work, buf))
+            dtype = direct[region][1] if region in direct else None
+            if ok_local and policy is not None and dtype in used:
+                k = used[dtype]
+                used[dtype] += 1
+                with torch.cuda.stream(side) if side is not None else contextlib.nullcontext():
+                    work.wait()  # NCCL: the side stream waits for the window (gloo: the host does)
+                    torch.aminmax(buf.view(dtype), out=(bounds[dtype][0, k], bounds[dtype][1, k]))
+            works.append((work, buf))
             continue
         work.wait()
         ready: list[tuple[str, torch.Tensor]] = []
@@ -362,6 +372,8 @@ def _broadcast(
     for work, _ in works:
         work.wait()
     del works
+    if side is not None:
+        torch.cuda.current_stream(dev).wait_stream(side)
     _phase("received")
 
     # ---- 3. one vote on the device: every rank commits with the same version, or every rank aborts
@@ -372,7 +384,7 @@ def _broadcast(
                 policy.mark_staged(direct_names)
             flag = policy.weight_update_ok({dtype for _, dtype in direct.values()})
             if bounds:
-                flag = torch.stack([flag, *(torch.isfinite(torch.stack(b)).all() for b in bounds.values())]).all()
+                flag = torch.stack([flag, *(torch.isfinite(b).all() for b in bounds.values())]).all()
         except Exception as err:
             error, ok_local = err, False
     current = policy.weight_version if policy is not None else -1
@@ -405,6 +417,18 @@ def _broadcast(
 
 
 # ------------------------------------------------------------------------------------------------ helpers
+_SIDE: dict[torch.device, Any] = {}
+
+
+def _side_stream(dev: torch.device) -> Any:
+    """A stream of its own per CUDA device for the per-window finiteness reductions (None off CUDA)."""
+    if dev.type != "cuda":
+        return None
+    if dev not in _SIDE:
+        _SIDE[dev] = torch.cuda.Stream(dev)
+    return _SIDE[dev]
+
+
 def _comm_device(policy: Pi05Policy | None, group: dist.ProcessGroup | None, device: Any) -> torch.device:
     if device is not None:
         return torch.device(device)

@@ -208,7 +208,37 @@ def long_manifest(rank: int, world: int) -> dict[str, Any]:
     return out
 
 
-SCENARIOS = {"commit_then_nan": commit_then_nan, "refusals": refusals, "long_manifest": long_manifest}
+def cuda_buffers(rank: int, world: int) -> dict[str, Any]:
+    """Policies and sources on the GPU, gloo with CUDA communication buffers (one GPU serves both ranks): the
+    CUDA stream paths (receive into staging, per-window reductions on the side stream, the vote on the device,
+    tables prepared from the staged values) commit, and a NaN still aborts every rank."""
+    torch.cuda.set_device(0)
+    policy = Pi05Policy(
+        make_model(0).cuda(),
+        StandInProcessor(),
+        RolloutConfig(num_steps=5),
+        SchedulerConfig(max_batch_size=1, num_steps=(5,), camera_sets=((0, 1),), prompt_buckets=(16,)),
+    )
+    trainer = make_model(7).cuda()
+    out = {"first": attempt(lambda: broadcast_weights(policy, trainer if rank == 0 else None, expected="all",
+                                                      bucket_bytes=BUCKET, device="cuda"))}  # fmt: skip
+    out["weights"] = state_equals(policy, trainer)
+    out["tables"] = torch.equal(RolloutTables(policy.model, (5,))[5].modulation, policy.scheduler.tables[5].modulation)
+    poisoned = make_model(8).cuda()
+    with torch.no_grad():
+        dict(poisoned.named_parameters())["expert.layers.1.mlp.up_proj.weight"][0, 0] = float("inf")
+    out["nan"] = attempt(lambda: broadcast_weights(policy, poisoned if rank == 0 else None, expected="all",
+                                                   bucket_bytes=BUCKET, device="cuda"))  # fmt: skip
+    out["kept"] = state_equals(policy, trainer) and policy.weight_version == 1
+    return out
+
+
+SCENARIOS = {
+    "commit_then_nan": commit_then_nan,
+    "refusals": refusals,
+    "long_manifest": long_manifest,
+    "cuda_buffers": cuda_buffers,
+}
 
 
 def _worker(rank: int, world: int, scenario: str, tmp: str) -> None:
@@ -269,6 +299,17 @@ def test_refusals_abort_every_rank(tmp_path: Path) -> None:
     assert "non-finite" in nan_error and "expert.layers.1.mlp.up_proj.weight" in nan_error
     assert "expected shape" in results[1]["shape"]["error"]
     assert "NCCL timeout while gathering shards" in results[0]["dtensor"]["error"]
+
+
+@pytest.mark.cuda
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU (run by benchmarks/gpu_suite.py)")
+def test_cuda_buffers_commit_and_abort(tmp_path: Path) -> None:
+    results = run("cuda_buffers", 2, tmp_path)
+    for r, res in enumerate(results):
+        assert res["first"] == {"ok": True, "version": 1, "num_tensors": 103}, (r, res["first"])
+        assert res["weights"] and res["tables"] and res["kept"], (r, res)
+        assert not res["nan"]["ok"] and "failed while sending, receiving or validating" in res["nan"]["error"]
+    assert "expert.layers.1.mlp.up_proj.weight" in results[1]["nan"]["error"]
 
 
 def test_manifest_longer_than_the_first_message(tmp_path: Path) -> None:

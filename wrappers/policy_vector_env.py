@@ -85,7 +85,9 @@ class PolicyVectorEnv(VectorWrapper):
         callback: called as ``callback(self, infos)`` after every step (e.g. to sync weights periodically).
         prefetch: cross-step prefetch (needs a policy with a restorable ``streams`` table, see
             `_check_prefetch`): as soon as group g has finished its chunk in ``step(None)``, the policy acts on
-            its new observation for the next step in a worker thread, while later groups still step; the next
+            its new observation for the next step in a worker thread, while later groups still step (the group
+            that finishes last has its call started by the next ``step(None)``, once the first chunk's actions
+            are with its envs; so G=1 gains nothing from prefetch); the next
             ``step(None)`` uses that output if it was made from the same observation, with the current weight
             version and settings, and otherwise recomputes it. A discarded prefetch (stale, failed, or cancelled
             by ``step(actions)``, ``reset()``, ``sync_weights()``, ``close()`` or before the `callback` runs)

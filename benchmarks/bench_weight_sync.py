@@ -64,6 +64,15 @@ def _sync(device: torch.device) -> None:
         torch.cuda.synchronize(device)
 
 
+def _append_rows(out_path: str | Path, rows: list[dict[str, Any]]) -> None:
+    """Append `rows` as JSON lines to `out_path` (its folder made if missing)."""
+    out = Path(out_path)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    with out.open("a") as handle:
+        for row in rows:
+            handle.write(json.dumps(row) + "\n")
+
+
 def _time_ms(fn, device: torch.device, iters: int, warmup: int = 2) -> list[float]:
     for _ in range(warmup):
         fn()
@@ -186,11 +195,7 @@ def run(out_path: str | Path, config_name: str = "base", iters: int = 10) -> lis
         if device.type == "cuda":
             torch.cuda.empty_cache()
     policy.close()
-    out = Path(out_path)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    with out.open("a") as handle:
-        for row in rows:
-            handle.write(json.dumps(row) + "\n")
+    _append_rows(out_path, rows)
     return rows
 
 
@@ -236,9 +241,7 @@ def profile_sync(
                          "calls": e.count // reps} for e in gpu],
         })  # fmt: skip
     policy.close()
-    with Path(out_path).open("a") as handle:
-        for row in rows:
-            handle.write(json.dumps(row) + "\n")
+    _append_rows(out_path, rows)
     return rows
 
 
@@ -277,9 +280,7 @@ def phase_times(out_path: str | Path, config_name: str = "base", iters: int = 10
             "sync_after_ms": p50[3], "total_ms": p50[4],
         })  # fmt: skip
     policy.close()
-    with Path(out_path).open("a") as handle:
-        for row in rows:
-            handle.write(json.dumps(row) + "\n")
+    _append_rows(out_path, rows)
     return rows
 
 
@@ -343,11 +344,7 @@ def run_host_overhead(
             rows.append(row)
     policy.close()
     if out_path is not None:
-        out = Path(out_path)
-        out.parent.mkdir(parents=True, exist_ok=True)
-        with out.open("a") as handle:
-            for row in rows:
-                handle.write(json.dumps(row) + "\n")
+        _append_rows(out_path, rows)
     return rows, p50s
 
 

@@ -227,6 +227,17 @@ class ChunkRunner:
             if started is not None:
                 started.set()
 
+    def _step(self, actions: Any, started: threading.Event | None) -> tuple[Any, ...]:
+        """`env.step`; the first call sets `started` once the actions are with the envs (after ``step_async``)."""
+        if started is None or started.is_set():
+            return self.env.step(actions)
+        if not hasattr(self.env, "step_async"):
+            started.set()
+            return self.env.step(actions)
+        self.env.step_async(actions)
+        started.set()
+        return self.env.step_wait()
+
     def _run(self, actions: Any, started: threading.Event | None) -> ChunkResult:
         n, chunk, dev = self.num_envs, actions.shape[1], self.device
         live = torch.ones(n, dtype=torch.bool, device=dev)
@@ -237,16 +248,7 @@ class ChunkRunner:
         success_any = success_end = None
         obs, info, final_obs, final_info = self.obs, {}, self.obs, {}
         for k in range(chunk):
-            if started is not None and not started.is_set():
-                if hasattr(self.env, "step_async"):
-                    self.env.step_async(actions[:, k])
-                    started.set()
-                    obs, rew, term, trunc, info = self.env.step_wait()
-                else:
-                    started.set()
-                    obs, rew, term, trunc, info = self.env.step(actions[:, k])
-            else:
-                obs, rew, term, trunc, info = self.env.step(actions[:, k])
+            obs, rew, term, trunc, info = self._step(actions[:, k], started)
             rew, term, trunc = self._t(rew), self._t(term).bool(), self._t(trunc).bool()
             substep_mask[:, k] = live
             substep_rewards[:, k] = torch.where(live, rew.to(torch.float64), 0.0)

@@ -476,12 +476,8 @@ class PolicyVectorEnv(VectorWrapper):
         """`runner.run` in a worker thread, holding one of the `env_concurrency` slots if they are limited."""
         if self._env_slots is None:
             return runner.run(env_actions, started)
-        try:
-            with self._env_slots:
-                return runner.run(env_actions, started)
-        finally:
-            if started is not None:
-                started.set()
+        with self._env_slots:
+            return runner.run(env_actions, started)
 
     def _group_order(self, policy_step: bool, deferred: set[int]) -> Iterator[int]:
         """Group indices in the order their chunks should start.

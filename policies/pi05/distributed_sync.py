@@ -35,6 +35,7 @@ refuses to serve until a complete update (see `weight_sync`).
 from __future__ import annotations
 
 import bisect
+import collections
 import contextlib
 import operator
 import time
@@ -282,8 +283,8 @@ def _broadcast(
     packer = _Packer(entries) if rank == src else None
     # Broadcasts are queued asynchronously: on rank src the packing of window w + 1 (into the other of two send
     # buffers) runs while window w is on the wire. A window received into a staging buffer is not waited for by
-    # the host: the current stream waits for it and reduces its values for the finiteness check. A temporary
-    # window is waited for at once (its tensors are staged from it). A rank that refused the manifest, or has no
+    # the host: a side stream waits for it and reduces its values for the finiteness check. A temporary window
+    # is waited for at once (its tensors are staged from it). A rank that refused the manifest, or has no
     # policy, receives every window into one scratch buffer and discards it.
     widest = max((hi - lo for lo, hi, _ in windows), default=0)
     send: list[torch.Tensor] = []
@@ -315,10 +316,9 @@ def _broadcast(
     # min and max of each window received into staging, reduced on a side stream as each lands: on the current
     # stream the reduction of window w would hold back window w + 1 (a collective first waits for that stream)
     side = _side_stream(dev)
-    counts: dict[torch.dtype, int] = {}
-    for _, _, region in windows if ok_local and policy is not None else ():
-        if region in direct and direct[region][1].is_floating_point:
-            counts[direct[region][1]] = counts.get(direct[region][1], 0) + 1
+    counts = collections.Counter(
+        direct[region][1] for _, _, region in windows if region in direct and direct[region][1].is_floating_point
+    )
     bounds = {dt: torch.empty(2, c, dtype=dt, device=dev) for dt, c in counts.items()}
     used = dict.fromkeys(counts, 0)
     assembly: dict[int, torch.Tensor] = {}

@@ -218,14 +218,18 @@ class _Transaction:
         self.mode = mode
         self.started = time.perf_counter()
         self.stream: torch.cuda.Stream | None = stream  # the policy's staging stream (None on CPU)
-        arenas, slots = plan.staging(stream)
-        self.arenas = dict(arenas)  # flat staging buffers, one per dtype (the plan's, reused)
-        self.slots = dict(slots)  # staging views (shape and dtype of each expected parameter)
+        # the plan's flat staging buffers (one per dtype, reused) and their views (one per expected parameter)
+        self.arenas, self.slots = plan.staging(stream)
         self.received: dict[str, tuple[str, int]] = {}  # our name -> (source name, source bytes)
         self.skipped: list[str] = []
         self.validated = False
         self.flag_issued = False  # `weight_update_ok` returned a finiteness flag for what is staged now
         self.prepared: dict[int, torch.Tensor] | None = None  # tables computed from the staged values
+
+    def staged_more(self) -> None:
+        """New data arrived: a passed check, a finiteness flag and the prepared tables no longer cover it."""
+        self.validated = self.flag_issued = False
+        self.prepared = None
 
     def ours(self, name: str) -> str | None:
         """Our name for a source name (ours pass through without the prefix mapping)."""
@@ -419,8 +423,7 @@ class WeightSyncMixin:
         materialised, instead of refusing them in validation.
         """
         staged, group, group_bytes = 0, [], 0
-        txn.validated = txn.flag_issued = False  # new data: a passed check no longer covers everything
-        txn.prepared = None
+        txn.staged_more()
         # the first groups are small so the first copies start early; then up to the bounds
         limit_tensors, limit_bytes = 8, 16 << 20
         params, expected_set = txn.params, txn.expected_set
@@ -634,8 +637,7 @@ class WeightSyncMixin:
                 if name not in txn.expected_set or name in txn.received:
                     raise WeightSyncError(f"mark_staged: {name!r} is not expected or was already received.")
                 txn.received[name] = (name, txn.plan.nbytes[name])
-            txn.validated = txn.flag_issued = False
-            txn.prepared = None
+            txn.staged_more()
             if txn.stream is not None:
                 txn.stream.wait_stream(torch.cuda.current_stream(self.device))
 
@@ -715,8 +717,7 @@ class WeightSyncMixin:
         if self._weight_update is txn:
             self._weight_update = None
             self._last_update_end = reason if len(reason) < 300 else reason[:297] + "..."
-        txn.slots.clear()
-        txn.arenas.clear()  # staging memory goes back to the allocator (ordered on the staging stream)
+        txn.slots, txn.arenas, txn.prepared = {}, {}, None  # the plan keeps the staging buffers for the next update
 
     def _check_entry(
         self, txn: _Transaction, name: str, shape: Sequence[int], dtype: torch.dtype, where: str
@@ -888,23 +889,20 @@ def _raise_missing(txn: _Transaction, missing: list[str], where: str) -> None:
         )
 
 
-def finite_flag(values: Iterable[torch.Tensor], device: torch.device) -> torch.Tensor:
-    """0-d bool tensor: every floating-point value in `values` is finite (one min/max reduction per tensor)."""
-    flags = []
-    with torch.no_grad():
-        for t in values:
-            if t.numel() and t.is_floating_point():
-                lo, hi = torch.aminmax(t)
-                flags.append(torch.isfinite(lo) & torch.isfinite(hi))
-    if not flags:
-        return torch.ones((), dtype=torch.bool, device=device)
-    return flags[0] if len(flags) == 1 else torch.stack(flags).all()
-
-
 def _finite_flag(txn: _Transaction, skip: frozenset[torch.dtype] = frozenset()) -> torch.Tensor:
-    """`finite_flag` of the staging buffers (but those of the dtypes in `skip`), queued on the staging stream."""
-    with txn.on_stream():
-        return finite_flag((a for dt, a in txn.arenas.items() if dt not in skip), txn.plan.device)
+    """0-d bool tensor: every value in the floating-point staging buffers is finite.
+
+    Buffers of the dtypes in `skip` are left out; one min/max reduction per buffer, queued on the staging stream.
+    """
+    flags = []
+    with txn.on_stream(), torch.no_grad():
+        for dt, arena in txn.arenas.items():
+            if dt not in skip and arena.numel() and arena.is_floating_point():
+                lo, hi = torch.aminmax(arena)
+                flags.append(torch.isfinite(lo) & torch.isfinite(hi))
+        if not flags:
+            return torch.ones((), dtype=torch.bool, device=txn.plan.device)
+        return flags[0] if len(flags) == 1 else torch.stack(flags).all()
 
 
 def _nonfinite(txn: _Transaction) -> list[str]:
@@ -913,9 +911,8 @@ def _nonfinite(txn: _Transaction) -> list[str]:
     One min/max reduction per dtype buffer on the staging stream and one wait for that stream; the per-tensor
     scan runs only when something is wrong.
     """
-    with txn.on_stream():  # read on the stream that computed it
+    with txn.on_stream(), torch.no_grad():  # the flag is read on the stream that computed it
         if bool(_finite_flag(txn)):
             return []
-    with txn.on_stream(), torch.no_grad():
         slots = txn.slots
         return [n for n in txn.received if slots[n].is_floating_point() and not bool(torch.isfinite(slots[n]).all())]

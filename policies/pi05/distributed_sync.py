@@ -9,12 +9,16 @@ Protocol 4:
 1. First message, int64[16384]: the header (magic, protocol, status, tensors, name bytes, payload bytes,
    bucket bytes, buckets, version (-1: none given), shape dims), then the manifest [name lengths | dtype codes |
    ndims | payload offsets | byte sizes | shape dims | the UTF-8 names, zero-padded to 8 bytes]; a manifest
-   that does not fit sends its rest in a second message. Rank src reuses the manifest it built last while the
-   source holds the same tensors. Every rank posts the message before opening its update, so it travels while
-   `begin_weight_update` runs.
-2. Each rank with a policy checks the manifest against its model (names, shapes, duplicates, the expected set
-   complete, the version increasing; a manifest it passed before is not checked again) and finds its receive
-   buffers. A rank that refuses keeps receiving (into one scratch buffer) and votes no.
+   that does not fit sends its rest in a second message. Rank src reuses the manifest (and the message) it
+   built last while the source holds the same tensors.
+2. Each rank with a policy opens its update and checks the manifest against its model (names, shapes,
+   duplicates, the expected set complete, the version increasing; a manifest it passed before is not checked
+   again) and finds its receive buffers. A rank that refuses keeps receiving (into one scratch buffer) and votes
+   no. Where that host work runs: a receiver that kept its staging buffers from its last update
+   (`kept_weight_staging`) and finds every window's region in them queues all its receives there as soon as it
+   has the manifest, and opens its update while the data travels (nothing in a staging buffer is visible; if
+   the update stages elsewhere, its plan having been rebuilt, the tensors are staged from the kept buffers).
+   Any other rank opens its update while the first message travels. The wire protocol is the same either way.
 3. Buckets: the payload is laid out per dtype (one region per dtype, 16-byte aligned, tensors packed back to
    back in manifest order inside it) and sent in windows of at most `bucket_bytes` that never cross a region.
    A rank whose staging buffer for that dtype holds exactly the region's tensors in the same order (the usual
@@ -175,221 +179,135 @@ def _broadcast(
     dev = _comm_device(policy, group, device)
     bucket = max(_ALIGN, -(-int(bucket_bytes) // _ALIGN) * _ALIGN)
 
-    # ---- 1. header and manifest, one message (rank src builds them from the source's metadata). The message is
-    # posted before this rank opens its update, so that it travels while `begin_weight_update` runs.
+    # ---- 1. header and manifest, one message (rank src builds them from the source's metadata)
     entries: list[_Entry] = []
-    meta, blob = torch.zeros(0, dtype=torch.int64), b""
     source_error: BaseException | None = None
+    message = torch.zeros(0, dtype=torch.int64)
     if rank == src:
         try:
             entries, meta, blob = _manifest(source, expected)
         except Exception as err:  # tell the others before raising
-            source_error = err
-    first = torch.empty(_FIRST, dtype=torch.int64, device=dev)  # every element is written or received
-    message = torch.zeros(0, dtype=torch.int64)
-    if rank == src:
-        header = [
-            _MAGIC,
-            _PROTOCOL,
-            0 if source_error is None else 1,
-            len(entries),
-            len(blob),
-            entries[-1].end if entries else 0,
-            bucket,
-            len(_windows(entries, bucket)),
-            -1 if version is None else int(version),
-            sum(len(e.shape) for e in entries),
-        ]
-        message = torch.cat([torch.tensor(header, dtype=torch.int64), meta])
-        head = torch.zeros(_FIRST, dtype=torch.int64)
-        head[: min(_FIRST, message.numel())] = message[:_FIRST]
-        first.copy_(head)
+            source_error, meta, blob = err, torch.zeros(0, dtype=torch.int64), b""
+        first, message = _first_message(entries, meta, blob, bucket, version, source_error, dev)
+    else:
+        first = torch.empty(_FIRST, dtype=torch.int64, device=dev)
     first_work = dist.broadcast(first, src, group=group, async_op=True)
 
-    # Open this rank's update (parameter table check, staging buffers). A failure is its refusal of the manifest.
-    begin_error: BaseException | None = None
-    ours = None  # the policy whose update this call opened (only that one is ever aborted here)
-    if policy is not None:
-        try:
-            policy.begin_weight_update(expected)
-            ours = policy
-        except Exception as err:
-            begin_error = err
-    _phase("begin")
-    first_work.wait()
-    if rank != src:
-        head = first.cpu()
-    magic, protocol, status, n, name_bytes, total, bucket, num_buckets, sent_version, dims = head[:_HEADER].tolist()
-    if magic != _MAGIC or protocol != _PROTOCOL or status != 0:
-        _abort(ours)
-    if magic != _MAGIC or protocol != _PROTOCOL:
-        raise WeightSyncError(
-            f"broadcast_weights: rank {src} speaks protocol {protocol} (magic {magic:#x}), expected {_PROTOCOL}; "
-            "run the same phyai-gym version on every rank."
-        )
-    if status != 0:
-        if source_error is not None:
+    # A receiver that kept its staging buffers from the last update queues its receives into them as soon as it
+    # has the manifest, and opens its update (parameter table and plan checks) while the data travels; without
+    # kept buffers it opens the update while the message travels. The policy lock is held until the manifest
+    # check, so no other update can open on these buffers meanwhile.
+    kept_staging = policy.kept_weight_staging() if policy is not None and rank != src else None
+    with kept_staging if kept_staging is not None else contextlib.nullcontext() as kept:
+        ours: Pi05Policy | None = None  # the policy whose update this call opened (only that one is aborted here)
+        begin_error: BaseException | None = None
+        if kept is None:
+            ours, begin_error = _begin(policy, expected)
+        first_work.wait()
+        head = first.cpu() if rank != src else message[:_FIRST]
+        fields = head[:_HEADER].tolist()
+        magic, protocol, status, n, name_bytes, total, bucket, num_buckets, sent_version, dims = fields
+        if magic != _MAGIC or protocol != _PROTOCOL or status != 0:
+            _abort(ours)
+        if magic != _MAGIC or protocol != _PROTOCOL:
             raise WeightSyncError(
-                f"broadcast_weights: the source on rank {src} could not be read "
-                f"({type(source_error).__name__}: {source_error}); every rank keeps its weights."
-            ) from source_error
-        raise WeightSyncError(
-            f"broadcast_weights: the source on rank {src} could not be read (see rank {src}'s error); "
-            "every rank keeps its weights."
-        )
-    size = _HEADER + 5 * n + dims + -(-name_bytes // 8)  # the message: header, manifest columns, names
-    if size > _FIRST:  # a manifest too large for the first message: the rest in a second one
-        rest = torch.empty(size - _FIRST, dtype=torch.int64, device=dev)
-        if rank == src:
-            rest.copy_(message[_FIRST:])
-        dist.broadcast(rest, src, group=group)
-        if rank != src:
-            head = torch.cat([head, rest.cpu()])
-    if rank != src:
-        entries = _decode_cached(head[_HEADER:size], n, dims, name_bytes)
-    _phase("manifest")
-
-    # ---- the manifest check and the receive buffers
-    error: BaseException | None = None
-    keep = [False] * n
-    windows = _windows(entries, bucket)
-    if len(windows) != num_buckets:
-        raise WeightSyncError(
-            f"broadcast_weights: rank {src} announced {num_buckets} buckets, the manifest gives {len(windows)}; "
-            "run the same phyai-gym version on every rank."
-        )
-    direct: dict[int, tuple[torch.Tensor, torch.dtype]] = {}  # region start -> (staging buffer as bytes, dtype)
-    direct_names: list[str] = []
-    if policy is not None:
-        try:
-            if sent_version >= 0 and sent_version <= policy.weight_version:
+                f"broadcast_weights: rank {src} speaks protocol {protocol} (magic {magic:#x}), expected "
+                f"{_PROTOCOL}; run the same phyai-gym version on every rank."
+            )
+        if status != 0:
+            if source_error is not None:
                 raise WeightSyncError(
-                    f"broadcast_weights: version must increase: rank {rank} is at {policy.weight_version}, "
-                    f"received {sent_version}; pass a larger version or None."
-                )
-            if begin_error is not None:
-                raise begin_error
-            keep = policy.check_weight_manifest([(e.name, e.shape, e.dtype) for e in entries])
-            direct, direct_names = _direct_regions(policy, entries, keep)
-            staged_directly = set(direct_names)
-            for e, k in zip(entries, keep):  # zero-size tensors carry no bytes
-                if k and e.nbytes == 0 and e.name not in staged_directly:
-                    policy.update_weights([(e.name, torch.empty(e.shape, dtype=e.dtype))])
-        except Exception as err:
-            error = err
-    ok_local = error is None
-    _phase("check")
-    refused = not ok_local  # reported as a refusal of the manifest (else as a failure with the data)
-    packer = _Packer(entries) if rank == src else None
-    # Broadcasts are queued asynchronously: on rank src the packing of window w + 1 (into the other of two send
-    # buffers) runs while window w is on the wire. A window received into a staging buffer is not waited for by
-    # the host: a side stream waits for it and reduces its values for the finiteness check. A temporary window
-    # is waited for at once (its tensors are staged from it). A rank that refused the manifest, or has no
-    # policy, receives every window into one scratch buffer and discards it.
-    widest = max((hi - lo for lo, hi, _ in windows), default=0)
-    send: list[torch.Tensor] = []
-    if packer is not None and windows:
-        send = [torch.empty(widest, dtype=torch.uint8, device=dev) for _ in range(min(2, len(windows)))]
-    in_flight: list[Any] = [None] * len(send)  # the broadcast last sent from each send buffer
-    scratch: list[torch.Tensor] = []
+                    f"broadcast_weights: the source on rank {src} could not be read "
+                    f"({type(source_error).__name__}: {source_error}); every rank keeps its weights."
+                ) from source_error
+            raise WeightSyncError(
+                f"broadcast_weights: the source on rank {src} could not be read (see rank {src}'s error); "
+                "every rank keeps its weights."
+            )
+        size = _HEADER + 5 * n + dims + -(-name_bytes // 8)  # the message: header, manifest columns, names
+        if size > _FIRST:  # a manifest too large for the first message: the rest in a second one
+            rest = torch.empty(size - _FIRST, dtype=torch.int64, device=dev)
+            if rank == src:
+                rest.copy_(message[_FIRST:])
+            dist.broadcast(rest, src, group=group)
+            if rank != src:
+                head = torch.cat([head, rest.cpu()])
+        if rank != src:
+            entries = _decode_cached(head[_HEADER:size], n, dims, name_bytes)
+        windows = _windows(entries, bucket)
+        if len(windows) != num_buckets:
+            _abort(ours)
+            raise WeightSyncError(
+                f"broadcast_weights: rank {src} announced {num_buckets} buckets, the manifest gives "
+                f"{len(windows)}; run the same phyai-gym version on every rank."
+            )
+        _phase("manifest")
 
-    def window_buffer(j: int) -> tuple[torch.Tensor, int | None, bool]:
-        """Window j's buffer, its send-buffer slot (None if not one), and whether its tensors are staged from it."""
-        lo, hi, region = windows[j]
-        target = direct.get(region) if ok_local else None
-        stage_here = target is None and policy is not None and ok_local
-        if target is not None:  # straight into (or, on rank src, straight from) this rank's staging buffer
-            return target[0][lo - region : hi - region], None, False
-        if send and not stage_here:
-            slot = j % len(send)
-            if in_flight[slot] is not None:
-                in_flight[slot].wait()  # that buffer's previous window has left
-            return send[slot][: hi - lo], slot, False
-        if not stage_here:  # discarded: one buffer serves every window (broadcasts run in order)
-            if not scratch:
-                scratch.append(torch.empty(widest, dtype=torch.uint8, device=dev))
-            return scratch[0][: hi - lo], None, False
-        return torch.empty(hi - lo, dtype=torch.uint8, device=dev), None, True
+        packer = _Packer(entries) if rank == src else None
+        stream = _WindowStream(policy, entries, windows, src, group, dev, packer)
+        early = {}  # region start -> kept buffer: every window received there before the update opens
+        if kept is not None:
+            early = _direct_regions(kept, entries, [True] * n)[0]
+            if all(region in early for _, _, region in windows):
+                stream.post_all(early)
+                _phase("queued")
+            else:
+                early = {}
+            ours, begin_error = _begin(policy, expected)
 
-    # ---- 2. buckets
-    works: list[tuple[Any, torch.Tensor]] = []  # (broadcast, its buffer) waited for before the vote
-    # min and max of each window received into staging, reduced on a side stream as each lands: on the current
-    # stream the reduction of window w would hold back window w + 1 (a collective first waits for that stream)
-    side = _side_stream(dev)
-    counts = collections.Counter(
-        direct[region][1] for _, _, region in windows if region in direct and direct[region][1].is_floating_point
-    )
-    bounds = {dt: torch.empty(2, c, dtype=dt, device=dev) for dt, c in counts.items()}
-    used = dict.fromkeys(counts, 0)
-    assembly: dict[int, torch.Tensor] = {}
-    first_entry = 0  # first entry not yet fully received
-    for j, (lo, hi, region) in enumerate(windows):
-        buf, slot, stage_here = window_buffer(j)
-        if packer is not None and ok_local:
+        # ---- 2. the manifest check and the receive buffers
+        keep = [False] * n
+        direct: dict[int, tuple[torch.Tensor, torch.dtype]] = {}  # region start -> (staging buffer as bytes, dtype)
+        direct_names: list[str] = []
+        moved = False  # the data goes into kept buffers this update does not stage into (its plan was rebuilt)
+        if policy is not None:
             try:
-                packer.fill(buf, lo, hi)
-            except Exception as err:  # keep broadcasting (garbage) so nobody hangs; the vote aborts
-                error, ok_local = err, False
-        work = dist.broadcast(buf, src, group=group, async_op=True)
-        if slot is not None:
-            in_flight[slot] = work
-        if not stage_here:
-            dtype = direct[region][1] if region in direct else None
-            if ok_local and policy is not None and dtype in used:
-                k = used[dtype]
-                used[dtype] += 1
-                with torch.cuda.stream(side) if side is not None else contextlib.nullcontext():
-                    work.wait()  # NCCL: the side stream waits for the window (gloo: the host does)
-                    torch.aminmax(buf.view(dtype), out=(bounds[dtype][0, k], bounds[dtype][1, k]))
-            works.append((work, buf))
-            continue
-        work.wait()
-        ready: list[tuple[str, torch.Tensor]] = []
-        for i in range(first_entry, n) if ok_local else ():
-            e = entries[i]
-            if e.offset >= hi:
-                break
-            if not keep[i] or e.nbytes == 0 or e.end <= lo:
-                continue
-            if lo <= e.offset and e.end <= hi:  # whole tensor in this window: a view, no copy
-                ready.append((e.name, _typed(buf[e.offset - lo : e.end - lo], e)))
-                continue
-            part_lo, part_hi = max(lo, e.offset), min(hi, e.end)
-            if i not in assembly:
-                assembly[i] = torch.empty(e.nbytes, dtype=torch.uint8, device=dev)
-            assembly[i][part_lo - e.offset : part_hi - e.offset].copy_(buf[part_lo - lo : part_hi - lo])
-            if e.end <= hi:
-                ready.append((e.name, _typed(assembly.pop(i), e)))
-        while first_entry < n and entries[first_entry].end <= hi:
-            first_entry += 1
-        if ok_local and ready:
-            try:
-                policy.update_weights(ready)  # type: ignore[union-attr]
+                if sent_version >= 0 and sent_version <= policy.weight_version:
+                    raise WeightSyncError(
+                        f"broadcast_weights: version must increase: rank {rank} is at {policy.weight_version}, "
+                        f"received {sent_version}; pass a larger version or None."
+                    )
+                if begin_error is not None:
+                    raise begin_error
+                keep = policy.check_weight_manifest([(e.name, e.shape, e.dtype) for e in entries])
+                direct, direct_names = _direct_regions(policy.staging_layout(), entries, keep)
+                if early and not _same_buffers(direct, early):  # staged from the kept buffers instead
+                    moved, direct, direct_names = True, {}, []
+                staged_directly = set(direct_names)
+                for e, k in zip(entries, keep):  # zero-size tensors carry no bytes
+                    if k and e.nbytes == 0 and e.name not in staged_directly:
+                        policy.update_weights([(e.name, torch.empty(e.shape, dtype=e.dtype))])
             except Exception as err:
-                error, ok_local = err, False
-        del buf, ready
-    _phase("queued")
-    for work, _ in works:
-        work.wait()
-    del works
-    if side is not None:
-        torch.cuda.current_stream(dev).wait_stream(side)
+                stream.fail(err)
+        stream.refused = not stream.ok
+    _phase("check")
+
+    # ---- 3. the buckets (rank src packs and sends; the others receive)
+    if not early:
+        stream.post_all(direct, keep=keep)
+        _phase("queued")
+    stream.wait()
     _phase("received")
 
-    # ---- 3. one vote on the device: every rank commits with the same version, or every rank aborts
+    # ---- 4. one vote on the device: every rank commits with the same version, or every rank aborts
     flag: torch.Tensor | None = None  # this rank's staged values are finite (not read on the host)
-    if policy is not None and ok_local:
+    if policy is not None and stream.ok:
         try:
-            if direct_names:
+            checked = {dtype for _, dtype in direct.values()}
+            if moved:  # staged from the kept buffers like any source (and reduced again)
+                policy.update_weights(_views(entries, keep, early))
+                checked = set()
+            elif direct_names:
                 policy.mark_staged(direct_names)
-            flag = policy.weight_update_ok({dtype for _, dtype in direct.values()})
-            if bounds:
-                flag = torch.stack([flag, *(torch.isfinite(b).all() for b in bounds.values())]).all()
+            flag = policy.weight_update_ok(checked)
+            if stream.bounds and not moved:
+                flag = torch.stack([flag, *(torch.isfinite(b).all() for b in stream.bounds.values())]).all()
         except Exception as err:
-            error, ok_local = err, False
+            stream.fail(err)
     current = policy.weight_version if policy is not None else -1
-    ok, max_version, failed, failed_refused = _vote(ok_local, refused, flag, current, rank, world, group, dev)
+    ok, max_version, failed, failed_refused = _vote(stream.ok, stream.refused, flag, current, rank, world, group, dev)
     _phase("vote")
+    error = stream.error
     if not ok:
         if flag is not None and error is None and not bool(flag):  # name the non-finite tensors
             try:
@@ -414,6 +332,216 @@ def _broadcast(
         duration_s=time.perf_counter() - started,
         expected=expected if isinstance(expected, str) else "list",
     )
+
+
+def _begin(policy: Pi05Policy | None, expected: str | Sequence[str]) -> tuple[Pi05Policy | None, BaseException | None]:
+    """Open this rank's update: (the policy, None), or (None, the error: this rank's refusal of the manifest)."""
+    try:
+        if policy is not None:
+            policy.begin_weight_update(expected)
+        return policy, None
+    except Exception as err:
+        return None, err
+    finally:
+        _phase("begin")
+
+
+def _first_message(
+    entries: list[_Entry],
+    meta: torch.Tensor,
+    blob: bytes,
+    bucket: int,
+    version: int | None,
+    source_error: BaseException | None,
+    dev: torch.device,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Rank src's first message on `dev` (header, then as much of the manifest as fits) and the whole message.
+
+    The device copy is kept with the manifest cache while header and manifest stay the same.
+    """
+    header = [
+        _MAGIC,
+        _PROTOCOL,
+        0 if source_error is None else 1,
+        len(entries),
+        len(blob),
+        entries[-1].end if entries else 0,
+        bucket,
+        len(_windows(entries, bucket)),
+        -1 if version is None else int(version),
+        sum(len(e.shape) for e in entries),
+    ]
+    key = (tuple(header), dev)
+    cached = _SENT.get("first")
+    if source_error is None and cached is not None and cached[0] == key and cached[1] is meta:
+        return cached[2], cached[3]
+    message = torch.cat([torch.tensor(header, dtype=torch.int64), meta])
+    head = torch.zeros(_FIRST, dtype=torch.int64)
+    head[: min(_FIRST, message.numel())] = message[:_FIRST]
+    first = head.to(dev)
+    if source_error is None:
+        _SENT["first"] = (key, meta, first, message)
+    return first, message
+
+
+class _WindowStream:
+    """One rank's side of the bucket windows: packing and sending (rank src), receiving and staging (the others).
+
+    Broadcasts are queued asynchronously: on rank src the packing of window w + 1 (into the other of two send
+    buffers) runs while window w is on the wire. A window received into a staging buffer is not waited for by the
+    host: a side stream waits for it and reduces its values (min and max) for the finiteness check; on the current
+    stream that reduction would hold back window w + 1 (a collective first waits for that stream). A temporary
+    window is waited for at once (its tensors are staged from it). A rank that refused the manifest, or has no
+    policy, receives every window into one scratch buffer and discards it. A failure is recorded (`fail`), never
+    raised: the rank keeps broadcasting so that nobody hangs, and votes no.
+    """
+
+    def __init__(
+        self,
+        policy: Pi05Policy | None,
+        entries: list[_Entry],
+        windows: list[tuple[int, int, int]],
+        src: int,
+        group: dist.ProcessGroup | None,
+        dev: torch.device,
+        packer: _Packer | None,
+    ) -> None:
+        self.policy, self.entries, self.windows = policy, entries, windows
+        self.src, self.group, self.dev, self.packer = src, group, dev, packer
+        self.ok, self.refused, self.error = True, False, None
+        self.works: list[tuple[Any, torch.Tensor]] = []  # (broadcast, its buffer), waited for before the vote
+        self.bounds: dict[torch.dtype, torch.Tensor] = {}  # per dtype: [min; max] of each window received in staging
+        self.widest = max((hi - lo for lo, hi, _ in windows), default=0)
+        self.send = []
+        if packer is not None and windows:
+            self.send = [torch.empty(self.widest, dtype=torch.uint8, device=dev) for _ in range(min(2, len(windows)))]
+        self.in_flight: list[Any] = [None] * len(self.send)  # the broadcast last sent from each send buffer
+        self.scratch: torch.Tensor | None = None
+
+    def fail(self, err: BaseException) -> None:
+        if self.ok:
+            self.error, self.ok = err, False
+
+    def post_all(self, direct: dict[int, tuple[torch.Tensor, torch.dtype]], keep: list[bool] | None = None) -> None:
+        """Queue every window.
+
+        A window of a region in `direct` is received into (on rank src: sent from) that buffer; any other is
+        staged from a temporary window when `keep` (the manifest check's flags) is given, else discarded.
+        """
+        entries, n, policy = self.entries, len(self.entries), self.policy
+        side = _side_stream(self.dev)
+        counts = collections.Counter(
+            direct[region][1]
+            for _, _, region in self.windows
+            if region in direct and direct[region][1].is_floating_point
+        )
+        if policy is None or not self.ok:
+            counts.clear()
+        self.bounds = {dt: torch.empty(2, c, dtype=dt, device=self.dev) for dt, c in counts.items()}
+        used = dict.fromkeys(counts, 0)
+        assembly: dict[int, torch.Tensor] = {}
+        first_entry = 0  # first entry not yet fully received
+        for j, (lo, hi, region) in enumerate(self.windows):
+            target = direct.get(region) if self.ok else None
+            stage_here = target is None and keep is not None and policy is not None and self.ok
+            buf, slot = self._buffer(j, target, stage_here)
+            if self.packer is not None and self.ok:
+                try:
+                    self.packer.fill(buf, lo, hi)
+                except Exception as err:  # keep broadcasting (garbage) so nobody hangs; the vote aborts
+                    self.fail(err)
+            work = dist.broadcast(buf, self.src, group=self.group, async_op=True)
+            if slot is not None:
+                self.in_flight[slot] = work
+            if not stage_here:
+                dtype = target[1] if target is not None else None
+                if self.ok and dtype in used:
+                    k = used[dtype]
+                    used[dtype] += 1
+                    with torch.cuda.stream(side) if side is not None else contextlib.nullcontext():
+                        work.wait()  # NCCL: the side stream waits for the window (gloo: the host does)
+                        torch.aminmax(buf.view(dtype), out=(self.bounds[dtype][0, k], self.bounds[dtype][1, k]))
+                self.works.append((work, buf))
+                continue
+            work.wait()
+            ready: list[tuple[str, torch.Tensor]] = []
+            for i in range(first_entry, n) if self.ok else ():
+                e = entries[i]
+                if e.offset >= hi:
+                    break
+                if not keep[i] or e.nbytes == 0 or e.end <= lo:  # type: ignore[index]
+                    continue
+                if lo <= e.offset and e.end <= hi:  # whole tensor in this window: a view, no copy
+                    ready.append((e.name, _typed(buf[e.offset - lo : e.end - lo], e)))
+                    continue
+                part_lo, part_hi = max(lo, e.offset), min(hi, e.end)
+                if i not in assembly:
+                    assembly[i] = torch.empty(e.nbytes, dtype=torch.uint8, device=self.dev)
+                assembly[i][part_lo - e.offset : part_hi - e.offset].copy_(buf[part_lo - lo : part_hi - lo])
+                if e.end <= hi:
+                    ready.append((e.name, _typed(assembly.pop(i), e)))
+            while first_entry < n and entries[first_entry].end <= hi:
+                first_entry += 1
+            if self.ok and ready:
+                try:
+                    policy.update_weights(ready)  # type: ignore[union-attr]
+                except Exception as err:
+                    self.fail(err)
+            del buf, ready
+
+    def _buffer(
+        self, j: int, target: tuple[torch.Tensor, torch.dtype] | None, stage_here: bool
+    ) -> tuple[torch.Tensor, int | None]:
+        """Window j's buffer and its send-buffer slot (None if not one)."""
+        lo, hi, region = self.windows[j]
+        if target is not None:  # straight into (or, on rank src, straight from) a staging buffer
+            return target[0][lo - region : hi - region], None
+        if stage_here:
+            return torch.empty(hi - lo, dtype=torch.uint8, device=self.dev), None
+        if self.send:
+            slot = j % len(self.send)
+            if self.in_flight[slot] is not None:
+                self.in_flight[slot].wait()  # that buffer's previous window has left
+            return self.send[slot][: hi - lo], slot
+        if self.scratch is None:  # discarded: one buffer serves every window (broadcasts run in order)
+            self.scratch = torch.empty(self.widest, dtype=torch.uint8, device=self.dev)
+        return self.scratch[: hi - lo], None
+
+    def wait(self) -> None:
+        """Wait (on the current stream, or the host under gloo) for every window and its reduction."""
+        for work, _ in self.works:
+            work.wait()
+        self.works = []
+        side = _side_stream(self.dev)
+        if side is not None:
+            torch.cuda.current_stream(self.dev).wait_stream(side)
+
+
+_Regions = dict[int, tuple[torch.Tensor, torch.dtype]]
+"""Region start -> (the buffer it is received into, as bytes; its dtype)."""
+
+
+def _same_buffers(a: _Regions, b: _Regions) -> bool:
+    """Both map the same regions to the same memory."""
+    return a.keys() == b.keys() and all(
+        a[r][0].data_ptr() == b[r][0].data_ptr() and a[r][0].numel() == b[r][0].numel() and a[r][1] == b[r][1]
+        for r in a
+    )
+
+
+def _views(
+    entries: list[_Entry], keep: list[bool], buffers: dict[int, tuple[torch.Tensor, torch.dtype]]
+) -> list[tuple[str, torch.Tensor]]:
+    """(name, tensor) of every kept entry with bytes, as views of the region buffers its bytes were received in."""
+    out = []
+    for start, _, idx in _regions(entries):
+        raw = buffers[start][0]
+        out += [
+            (entries[i].name, _typed(raw[entries[i].offset - start : entries[i].end - start], entries[i]))
+            for i in idx
+            if keep[i] and entries[i].nbytes
+        ]
+    return out
 
 
 # ------------------------------------------------------------------------------------------------ helpers
@@ -550,14 +678,14 @@ def _windows(entries: list[_Entry], bucket: int) -> list[tuple[int, int, int]]:
 
 
 def _direct_regions(
-    policy: Pi05Policy, entries: list[_Entry], keep: list[bool]
+    staging: list[tuple[torch.dtype, torch.Tensor, list[str]]], entries: list[_Entry], keep: list[bool]
 ) -> tuple[dict[int, tuple[torch.Tensor, torch.dtype]], list[str]]:
     """Regions this rank receives straight into its staging buffers, and the names they stage.
 
-    A region qualifies when the policy's staging buffer of that dtype holds exactly the region's tensors, in
-    the same order (so the bytes land where the slots are).
+    `staging` is a policy's `staging_layout()` (or `kept_weight_staging()`). A region qualifies when the staging
+    buffer of its dtype holds exactly the region's tensors, in the same order (so the bytes land where the slots
+    are).
     """
-    staging = policy.staging_layout()
     arenas = {dt: arena for dt, arena, _ in staging}
     if (
         _DIRECT.get("entries") is entries

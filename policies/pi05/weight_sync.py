@@ -176,6 +176,14 @@ class _Plan:
             self._staging = (arenas, slots)
         return self._staging
 
+    @property
+    def kept(self) -> list[tuple[torch.dtype, torch.Tensor, list[str]]] | None:
+        """The staging layout kept for the next update (per dtype: buffer, slot names), None when not allocated."""
+        if self._staging is None:
+            return None
+        arenas = self._staging[0]
+        return [(dt, arenas[dt], list(names)) for dt, names, _, _ in self.groups]
+
     def release_staging(self) -> None:
         """Drop the staging buffers (freed once the commits that read them ran; see `_commit`)."""
         self._staging = None
@@ -622,8 +630,37 @@ class WeightSyncMixin:
         distributed protocol receives its buckets there); `mark_staged` then records them as received.
         """
         with self._lock:
-            txn = self._require("staging_layout")
-            return [(dt, txn.arenas[dt], list(names)) for dt, names, _, _ in txn.plan.groups]
+            layout = self._require("staging_layout").plan.kept
+            assert layout is not None  # an open update's plan holds its staging buffers
+            return layout
+
+    @contextlib.contextmanager
+    def kept_weight_staging(self) -> Iterator[list[tuple[torch.dtype, torch.Tensor, list[str]]] | None]:
+        """Hold the policy lock and yield the staging buffers kept from the last update, before any update opens.
+
+        Yields the layout `staging_layout()` gives (per dtype the flat buffer and its slot names), or None when
+        no buffers are kept, an update is open (its buffers are not to be touched) or the policy is closed. The
+        current stream is ordered after the last commit (which read them), so writes queued on it may start
+        at once: a broadcast receiver writes its buckets there while `begin_weight_update`, called inside the
+        block, checks the parameters. Nothing is visible before a commit, and every update rewrites all its slots,
+        so writing the buffers without an update changes nothing. An update that then stages into other buffers
+        (its plan was rebuilt) is told apart by the buffers' identity.
+
+        Example:
+            >>> with policy.kept_weight_staging() as kept:  # doctest: +SKIP
+            ...     post_receives(kept)  # queue receives into the kept buffers
+            ...     policy.begin_weight_update("trainable")
+        """
+        with self._lock:
+            layout = None
+            if self._weight_update is None and not getattr(self, "_closed", False):
+                for plan in (self._sync_plans or {}).values():
+                    if plan.kept is not None:
+                        layout = plan.kept
+                        if self._commit_event is not None:
+                            torch.cuda.current_stream(self.device).wait_event(self._commit_event)
+                        break
+            yield layout
 
     def mark_staged(self, names: Sequence[str]) -> None:
         """Record `names` as received after their bytes were written into `staging_layout()` buffers.

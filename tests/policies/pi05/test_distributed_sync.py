@@ -190,7 +190,7 @@ def _direct_regions_of(policy: Pi05Policy, entries: list) -> dict:
 
     policy.begin_weight_update("all")
     try:
-        return _direct_regions(policy, entries, [True] * len(entries))[0]
+        return _direct_regions(policy.staging_layout(), entries, [True] * len(entries))[0]
     finally:
         policy.abort_weight_update()
 
@@ -211,7 +211,8 @@ def long_manifest(rank: int, world: int) -> dict[str, Any]:
 def cuda_buffers(rank: int, world: int) -> dict[str, Any]:
     """Policies and sources on the GPU, gloo with CUDA communication buffers (one GPU serves both ranks): the
     CUDA stream paths (receive into staging, per-window reductions on the side stream, the vote on the device,
-    tables prepared from the staged values) commit, and a NaN still aborts every rank."""
+    tables prepared from the staged values) commit, a NaN still aborts every rank, and receives queued into the
+    kept staging buffers before the update opens commit."""
     torch.cuda.set_device(0)
     policy = Pi05Policy(
         make_model(0).cuda(),
@@ -230,6 +231,52 @@ def cuda_buffers(rank: int, world: int) -> dict[str, Any]:
     out["nan"] = attempt(lambda: broadcast_weights(policy, poisoned if rank == 0 else None, expected="all",
                                                    bucket_bytes=BUCKET, device="cuda"))  # fmt: skip
     out["kept"] = state_equals(policy, trainer) and policy.weight_version == 1
+    # the kept staging buffers: receives queued before the update opens, then a commit
+    trainer = make_model(9).cuda()
+    out["third"] = attempt(lambda: broadcast_weights(policy, trainer if rank == 0 else None, expected="all",
+                                                     bucket_bytes=BUCKET, device="cuda"))  # fmt: skip
+    out["third_weights"] = state_equals(policy, trainer) and torch.equal(
+        RolloutTables(policy.model, (5,))[5].modulation, policy.scheduler.tables[5].modulation
+    )
+    return out
+
+
+def early_receives(rank: int, world: int) -> dict[str, Any]:
+    """A receiver that kept its staging buffers from the last update queues its receives into them before it
+    opens the next update. 1) nothing kept yet; 2) kept: receives first; 3) a parameter replaced on the receiver
+    (its plan and staging rebuilt): the bytes land in the old buffers and are staged from them; 4) a stale version
+    refused after the receives were queued: every rank aborts and keeps its weights; 5) the next one commits."""
+    from policies.pi05 import distributed_sync
+
+    policy = make_policy(0) if rank > 0 else None
+    marks: list[str] = []
+    distributed_sync.phase_hook = marks.append
+    out: dict[str, Any] = {}
+    trainers = [make_model(seed) for seed in (7, 8, 9, 10)]
+    names = [n for n, p in make_policy(0).trainable_parameters()]
+
+    def broadcast(key: str, trainer: Pi05Model, **kwargs: Any) -> None:
+        marks.clear()
+        source = {n: p for n, p in trainer.named_parameters() if n in names}  # what the receivers stage, in order
+        out[key] = attempt(
+            lambda: broadcast_weights(policy, source if rank == 0 else None, expected="trainable",
+                                      bucket_bytes=BUCKET, **kwargs)
+        )  # fmt: skip
+        out[f"{key}_receives_first"] = marks.index("manifest") < marks.index("begin")
+        if policy is not None:
+            out[f"{key}_weights"] = [i for i, t in enumerate(trainers) if state_equals(policy, t, names)]
+            out[f"{key}_tables"] = tables_fresh(policy)
+            out[f"{key}_in_progress"] = policy.weight_update_in_progress
+
+    broadcast("first", trainers[0])
+    broadcast("second", trainers[1])
+    if policy is not None:
+        module = policy.model.get_submodule("action_out_proj")
+        module.weight = torch.nn.Parameter(module.weight.detach().clone())
+    broadcast("third", trainers[2])
+    broadcast("fourth", trainers[3], version=1)
+    broadcast("fifth", trainers[3])
+    distributed_sync.phase_hook = None
     return out
 
 
@@ -238,6 +285,7 @@ SCENARIOS = {
     "refusals": refusals,
     "long_manifest": long_manifest,
     "cuda_buffers": cuda_buffers,
+    "early_receives": early_receives,
 }
 
 
@@ -301,6 +349,23 @@ def test_refusals_abort_every_rank(tmp_path: Path) -> None:
     assert "NCCL timeout while gathering shards" in results[0]["dtensor"]["error"]
 
 
+def test_receivers_queue_their_receives_before_opening_the_update(tmp_path: Path) -> None:
+    results = run("early_receives", 2, tmp_path)
+    for r, res in enumerate(results):
+        for key, version in (("first", 1), ("second", 2), ("third", 3), ("fifth", 4)):
+            assert res[key]["ok"] and res[key]["version"] == version, (r, key, res[key])
+        assert not res["fourth"]["ok"] and "rank 1 refused the manifest" in res["fourth"]["error"], (r, res["fourth"])
+    receiver = results[1]
+    assert "version must increase" in receiver["fourth"]["error"]
+    assert not receiver["first_receives_first"]  # nothing kept yet: the update opens first
+    assert all(receiver[f"{k}_receives_first"] for k in ("second", "third", "fourth", "fifth"))
+    # the weights of trainer i after each step (fourth: refused, the third's stay), the tables refreshed
+    expected = {"first": [0], "second": [1], "third": [2], "fourth": [2], "fifth": [3]}
+    for key, weights in expected.items():
+        assert receiver[f"{key}_weights"] == weights, (key, receiver[f"{key}_weights"])
+        assert receiver[f"{key}_tables"] and not receiver[f"{key}_in_progress"], key
+
+
 @pytest.mark.cuda
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU (run by benchmarks/gpu_suite.py)")
 def test_cuda_buffers_commit_and_abort(tmp_path: Path) -> None:
@@ -309,6 +374,7 @@ def test_cuda_buffers_commit_and_abort(tmp_path: Path) -> None:
         assert res["first"] == {"ok": True, "version": 1, "num_tensors": 103}, (r, res["first"])
         assert res["weights"] and res["tables"] and res["kept"], (r, res)
         assert not res["nan"]["ok"] and "failed while sending, receiving or validating" in res["nan"]["error"]
+        assert res["third"] == {"ok": True, "version": 2, "num_tensors": 103} and res["third_weights"], (r, res)
     assert "expert.layers.1.mlp.up_proj.weight" in results[1]["nan"]["error"]
 
 
@@ -370,7 +436,7 @@ def test_direct_regions_receive_into_the_staging_buffers() -> None:
     entries = _build_entries(source, "trainable")
     keep = [True] * len(entries)
     policy.begin_weight_update("trainable")
-    direct, names = _direct_regions(policy, entries, keep)
+    direct, names = _direct_regions(policy.staging_layout(), entries, keep)
     assert len(direct) == len(policy.staging_layout()) and sorted(names) == sorted(source)
     packer = _Packer(entries)
     for lo, hi, region in _windows(entries, 4096):
@@ -382,9 +448,9 @@ def test_direct_regions_receive_into_the_staging_buffers() -> None:
     # another order in a region, or a tensor the receiver skips: that region goes through the staging copies
     shuffled = dict(reversed(list(source.items())))
     policy.begin_weight_update("trainable")
-    direct, names = _direct_regions(policy, _build_entries(shuffled, "trainable"), keep)
+    direct, names = _direct_regions(policy.staging_layout(), _build_entries(shuffled, "trainable"), keep)
     assert direct == {} and names == []
-    direct, _ = _direct_regions(policy, entries, [False] + keep[1:])
+    direct, _ = _direct_regions(policy.staging_layout(), entries, [False] + keep[1:])
     assert len(direct) == len(policy.staging_layout()) - 1
     policy.abort_weight_update()
 

@@ -50,6 +50,10 @@ def main() -> None:
     parser.add_argument("--iters", type=int, default=5)
     parser.add_argument("--trace-dir", type=Path, default=None,
                         help="after timing, profile one more broadcast on every rank and write its chrome trace here")
+    parser.add_argument("--gpu-only-trace", action="store_true",
+                        help="the trace records GPU activity only (host timing then stays close to an untraced run)")
+    parser.add_argument("--window-checks", choices=("on", "off"), default="on",
+                        help="off: one finiteness reduction of the staging buffers after the last window")
     args = parser.parse_args()
     cuda = torch.cuda.is_available()
     dist.init_process_group("nccl" if cuda else "gloo")
@@ -84,6 +88,7 @@ def main() -> None:
     phases: list[dict[str, float]] = []  # per timed iteration: phase -> ms since t0 (host clock, this rank)
     marks: list[tuple[str, float]] = []
     distributed_sync.phase_hook = lambda name: marks.append((name, time.perf_counter()))
+    distributed_sync.window_checks = args.window_checks == "on"
     for it in range(args.iters + 1):
         dist.barrier()
         if cuda:
@@ -111,7 +116,8 @@ def main() -> None:
     if args.trace_dir is not None:  # one profiled broadcast per rank: where the time beyond raw NCCL goes
         from torch.profiler import ProfilerActivity, profile
 
-        activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else [])
+        activities = [] if args.gpu_only_trace and cuda else [ProfilerActivity.CPU]
+        activities += [ProfilerActivity.CUDA] if cuda else []
         dist.barrier()
         if cuda:
             torch.cuda.synchronize()
@@ -120,7 +126,8 @@ def main() -> None:
             if cuda:
                 torch.cuda.synchronize()
         args.trace_dir.mkdir(parents=True, exist_ok=True)
-        prof.export_chrome_trace(str(args.trace_dir / f"broadcast_trace_rank{rank}.json.gz"))
+        kind = "gpu_" if args.gpu_only_trace and cuda else ""
+        prof.export_chrome_trace(str(args.trace_dir / f"broadcast_{kind}trace_rank{rank}.json.gz"))
     # every rank's times: a broadcast is done when the slowest rank is (rank 1 has committed on its GPU)
     times = torch.zeros(2, dist.get_world_size(), len(synced), dtype=torch.float64, device=device)
     times[0, rank] = torch.tensor(raw, dtype=torch.float64)
@@ -146,7 +153,8 @@ def main() -> None:
                "phase_end_ms_p50_per_rank": [
                    {k: round(v, 3) for k, v in zip(names, g.tolist()) if v == v} for g in gathered
                ],
-               "bucket_bytes": bucket, "target_ratio": 2.0, "final_version": int(version.item()),
+               "bucket_bytes": bucket, "window_checks": args.window_checks, "target_ratio": 2.0,
+               "final_version": int(version.item()),
                "report_tensors": report.num_tensors}
         print(json.dumps(row), flush=True)
         with args.out.open("a") as f:

@@ -69,6 +69,9 @@ DEFAULT_BUCKET_BYTES = 256 << 20
 the wire); a receiver whose staging buffers match the manifest needs none. Each window costs the receiver ~0.2-0.3
 ms of host time to queue (H200 host), about what 128 MiB take on the wire, so fewer, larger windows keep the
 link busy: expert + heads (1.1 GB) went 7.45 ms in 9 windows of 128 MiB vs 6.11 ms in 5 of 277 MB (6588222)."""
+window_checks = True
+"""Reduce each window received into a staging buffer as it lands (on a side stream); False: one reduction of the
+whole staging buffers after the last window (`weight_update_ok`). Benchmarks compare the two."""
 _MAGIC = 0x5049_3035  # "PI05"
 _PROTOCOL = 4
 _ALIGN = 16
@@ -293,7 +296,7 @@ def _broadcast(
     flag: torch.Tensor | None = None  # this rank's staged values are finite (not read on the host)
     if policy is not None and stream.ok:
         try:
-            checked = {dtype for _, dtype in direct.values()}
+            checked = set(stream.bounds)  # the dtypes whose windows were reduced as they landed
             if moved:  # staged from the kept buffers like any source (and reduced again)
                 policy.update_weights(_views(entries, keep, early))
                 checked = set()
@@ -435,7 +438,7 @@ class _WindowStream:
             for _, _, region in self.windows
             if region in direct and direct[region][1].is_floating_point
         )
-        if policy is None or not self.ok:
+        if policy is None or not self.ok or not window_checks:
             counts.clear()
         self.bounds = {dt: torch.empty(2, c, dtype=dt, device=self.dev) for dt, c in counts.items()}
         used = dict.fromkeys(counts, 0)

@@ -50,6 +50,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.distributed as dist
+from torch._utils import _flatten_dense_tensors
 
 from .checkpoint import to_internal_name
 from .weight_sync import (
@@ -73,7 +74,7 @@ window_checks = True
 """Reduce each window received into a staging buffer as it lands (on a side stream); False: one reduction of the
 whole staging buffers after the last window (`weight_update_ok`). Benchmarks compare the two."""
 _MAGIC = 0x5049_3035  # "PI05"
-_PROTOCOL = 4
+_PROTOCOL = 5
 _ALIGN = 16
 _HEADER = 10
 _FIRST = 16384
@@ -246,7 +247,7 @@ def _broadcast(
             )
         _phase("manifest")
 
-        packer = _Packer(entries) if rank == src else None
+        packer = _Packer(entries, windows, dev) if rank == src else None
         stream = _WindowStream(policy, entries, windows, src, group, dev, packer)
         early = {}  # region start -> kept buffer: every window received there before the update opens
         if kept is not None:
@@ -415,10 +416,7 @@ class _WindowStream:
         self.works: list[tuple[Any, torch.Tensor]] = []  # (broadcast, its buffer), waited for before the vote
         self.bounds: dict[torch.dtype, torch.Tensor] = {}  # per dtype: [min; max] of each window received in staging
         self.widest = max((hi - lo for lo, hi, _ in windows), default=0)
-        self.send = []
-        if packer is not None and windows:
-            self.send = [torch.empty(self.widest, dtype=torch.uint8, device=dev) for _ in range(min(2, len(windows)))]
-        self.in_flight: list[Any] = [None] * len(self.send)  # the broadcast last sent from each send buffer
+        self.in_flight: collections.deque[Any] = collections.deque()  # rank src: its last two windows' broadcasts
         self.scratch: torch.Tensor | None = None
 
     def fail(self, err: BaseException) -> None:
@@ -447,15 +445,10 @@ class _WindowStream:
         for j, (lo, hi, region) in enumerate(self.windows):
             target = direct.get(region) if self.ok else None
             stage_here = target is None and keep is not None and policy is not None and self.ok
-            buf, slot = self._buffer(j, target, stage_here)
-            if self.packer is not None and self.ok:
-                try:
-                    self.packer.fill(buf, lo, hi)
-                except Exception as err:  # keep broadcasting (garbage) so nobody hangs; the vote aborts
-                    self.fail(err)
+            buf = self._pack(j, target) if self.packer is not None else self._buffer(j, target, stage_here)
             work = dist.broadcast(buf, self.src, group=self.group, async_op=True)
-            if slot is not None:
-                self.in_flight[slot] = work
+            if self.packer is not None:  # not kept in `works`: a packed window's memory is freed once it left
+                self.in_flight.append(work)
             if not stage_here:
                 dtype = target[1] if target is not None else None
                 if self.ok and dtype in used:
@@ -464,7 +457,9 @@ class _WindowStream:
                     with torch.cuda.stream(side) if side is not None else contextlib.nullcontext():
                         work.wait()  # NCCL: the side stream waits for the window (gloo: the host does)
                         torch.aminmax(buf.view(dtype), out=(self.bounds[dtype][0, k], self.bounds[dtype][1, k]))
-                self.works.append((work, buf))
+                if self.packer is None:
+                    self.works.append((work, buf))
+                del buf
                 continue
             work.wait()
             ready: list[tuple[str, torch.Tensor]] = []
@@ -492,29 +487,50 @@ class _WindowStream:
                     self.fail(err)
             del buf, ready
 
-    def _buffer(
-        self, j: int, target: tuple[torch.Tensor, torch.dtype] | None, stage_here: bool
-    ) -> tuple[torch.Tensor, int | None]:
-        """Window j's buffer and its send-buffer slot (None if not one)."""
+    def _buffer(self, j: int, target: tuple[torch.Tensor, torch.dtype] | None, stage_here: bool) -> torch.Tensor:
+        """The buffer a receiver takes window j into."""
         lo, hi, region = self.windows[j]
-        if target is not None:  # straight into (or, on rank src, straight from) a staging buffer
-            return target[0][lo - region : hi - region], None
+        if target is not None:  # straight into a staging buffer
+            return target[0][lo - region : hi - region]
         if stage_here:
-            return torch.empty(hi - lo, dtype=torch.uint8, device=self.dev), None
-        if self.send:
-            slot = j % len(self.send)
-            if self.in_flight[slot] is not None:
-                self.in_flight[slot].wait()  # that buffer's previous window has left
-            return self.send[slot][: hi - lo], slot
+            return torch.empty(hi - lo, dtype=torch.uint8, device=self.dev)
         if self.scratch is None:  # discarded: one buffer serves every window (broadcasts run in order)
             self.scratch = torch.empty(self.widest, dtype=torch.uint8, device=self.dev)
-        return self.scratch[: hi - lo], None
+        return self.scratch[: hi - lo]
+
+    def _pack(self, j: int, target: tuple[torch.Tensor, torch.dtype] | None) -> torch.Tensor:
+        """Rank src: window j's bytes, packed once the window two before it has left (at most two in flight).
+
+        Written into `target` (this rank's own staging buffer) when given. After a failure: garbage of the right
+        size, so that every rank keeps receiving; the vote aborts.
+        """
+        lo, hi, region = self.windows[j]
+        if len(self.in_flight) == 2:
+            self.in_flight.popleft().wait()  # NCCL: the current stream waits, and the packing below with it
+        data = None
+        if self.ok:
+            try:
+                data = self.packer.window(j)  # type: ignore[union-attr]
+            except Exception as err:  # keep broadcasting (garbage) so nobody hangs; the vote aborts
+                self.fail(err)
+        if data is None:
+            if self.scratch is None:
+                self.scratch = torch.empty(self.widest, dtype=torch.uint8, device=self.dev)
+            data = self.scratch[: hi - lo]
+        if target is None:
+            return data
+        buf = target[0][lo - region : hi - region]
+        buf.copy_(data)
+        return buf
 
     def wait(self) -> None:
         """Wait (on the current stream, or the host under gloo) for every window and its reduction."""
         for work, _ in self.works:
             work.wait()
+        for work in self.in_flight:
+            work.wait()
         self.works = []
+        self.in_flight.clear()
         side = _side_stream(self.dev)
         if side is not None:
             torch.cuda.current_stream(self.dev).wait_stream(side)
@@ -673,11 +689,36 @@ def _regions(entries: list[_Entry]) -> list[tuple[int, int, list[int]]]:
 
 
 def _windows(entries: list[_Entry], bucket: int) -> list[tuple[int, int, int]]:
-    """Broadcast windows (lo, hi, region start): at most `bucket` bytes, never crossing a dtype region."""
-    windows = []
-    for start, end, _ in _regions(entries):
-        windows += [(lo, min(lo + bucket, end), start) for lo in range(start, end, bucket)]
+    """Broadcast windows (lo, hi, region start) of at most `bucket` bytes, never crossing a dtype region.
+
+    Windows end at tensor boundaries: each holds whole tensors (as many as fit, in payload order), or is a piece
+    of one tensor larger than a bucket (cut into bucket-sized pieces, the last piece alone). Cached for the last
+    manifest and bucket size.
+    """
+    cached = _WINDOWS.get("key")
+    if cached is not None and cached[0] is entries and cached[1] == bucket:
+        return _WINDOWS["windows"]
+    windows: list[tuple[int, int, int]] = []
+    for start, end, idx in _regions(entries):
+        lo = start  # start of the open window
+        for i in idx:
+            e = entries[i]
+            if e.end - lo <= bucket:
+                continue  # fits in the open window
+            if e.offset > lo:  # close the window before e
+                windows.append((lo, e.offset, start))
+                lo = e.offset
+            if e.nbytes > bucket:  # cut e into pieces; its last piece is a window of its own
+                windows += [(p, min(p + bucket, e.end), start) for p in range(e.offset, e.end, bucket)]
+                lo = e.end
+        if end > lo:
+            windows.append((lo, end, start))
+    _WINDOWS.update(key=(entries, bucket), windows=windows)
     return windows
+
+
+_WINDOWS: dict[str, Any] = {}
+"""The last `_windows` result and its (entries, bucket)."""
 
 
 def _direct_regions(
@@ -780,16 +821,37 @@ def _typed(raw: torch.Tensor, e: _Entry) -> torch.Tensor:
 
 
 class _Packer:
-    """Fills bucket windows from the source tensors; a tensor spanning windows is materialised once."""
+    """Rank src's bytes of each window, made from the source tensors.
 
-    def __init__(self, entries: list[_Entry]) -> None:
-        self.entries = entries
-        self.offsets = [e.offset for e in entries]
-        self.cached: tuple[int, torch.Tensor] | None = None  # the tensor spanning windows, as bytes
+    A window of whole tensors is one `_flatten_dense_tensors` call: their flat views are made and concatenated
+    in C++, so a tensor costs a view, not Python calls (pi05's expert set is 222 tensors; per-tensor Python was
+    ~0.5 ms of host time per window on the H200 host, about what a 256 MiB window takes on the wire). A window
+    that is a piece of a tensor larger than a bucket is a byte slice of it (a copy only when the tensor is not
+    contiguous or not on the communication device; a DTensor is materialised once for all its pieces). Plain
+    tensors are used as they are: the manifest was built from, or checked against, these very tensors in this
+    call. DTensors are materialised and checked as their window is packed.
+    """
+
+    def __init__(self, entries: list[_Entry], windows: list[tuple[int, int, int]], dev: torch.device) -> None:
+        self.entries, self.windows, self.dev = entries, windows, dev
+        self.values = [e.value for e in entries]
+        self.plain = all(type(v) in _PLAIN_TENSOR_TYPES for v in self.values)
+        offsets = [e.offset for e in entries]
+        self.spans: list[tuple[bool, list[int]]] = []  # per window: (a piece of one tensor?, entry indices)
+        for lo, hi, _ in windows:
+            i = bisect.bisect_right(offsets, lo) - 1
+            if i >= 0 and entries[i].nbytes and (entries[i].offset < lo or entries[i].end > hi):
+                self.spans.append((True, [i]))
+            else:
+                first, last = bisect.bisect_left(offsets, lo), bisect.bisect_left(offsets, hi)
+                self.spans.append((False, [k for k in range(first, last) if entries[k].nbytes]))
+        self.cached: tuple[int, torch.Tensor] | None = None  # the tensor cut into pieces, as bytes
 
     def _tensor(self, i: int) -> torch.Tensor:
-        e = self.entries[i]
-        t = e.value if type(e.value) in _PLAIN_TENSOR_TYPES else materialize(e.value, e.name, "broadcast_weights")
+        e, t = self.entries[i], self.values[i]
+        if type(t) in _PLAIN_TENSOR_TYPES:
+            return t
+        t = materialize(t, e.name, "broadcast_weights")
         if tuple(t.shape) != e.shape or t.dtype != e.dtype:
             raise WeightSyncError(
                 f"broadcast_weights: {e.name!r} materialised as {list(t.shape)} {t.dtype}, but its metadata "
@@ -797,34 +859,20 @@ class _Packer:
             )
         return t
 
-    def _bytes(self, i: int) -> torch.Tensor:
-        if self.cached is None or self.cached[0] != i:
-            self.cached = (i, self._tensor(i).contiguous().reshape(-1).view(torch.uint8))
-        return self.cached[1]
-
     @torch.no_grad()
-    def fill(self, buf: torch.Tensor, lo: int, hi: int) -> None:
-        """Write payload bytes [lo, hi) into `buf`; a window lies inside one dtype region, so it has no gaps.
-
-        The tensors wholly inside the window are written by one `torch.cat` into a typed view of their span;
-        the (at most two) tensors cut by the window's edges are copied as bytes.
-        """
-        whole: list[torch.Tensor] = []
-        span: tuple[int, int] | None = None
-        for i in range(max(0, bisect.bisect_right(self.offsets, lo) - 1), len(self.entries)):
-            e = self.entries[i]
-            if e.offset >= hi:
-                break
-            if e.nbytes == 0 or e.end <= lo:
-                continue
-            if lo <= e.offset and e.end <= hi:
-                whole.append(self._tensor(i).reshape(-1))
-                span = (e.offset if span is None else span[0], e.end)
-                continue
-            part_lo, part_hi = max(lo, e.offset), min(hi, e.end)
-            buf[part_lo - lo : part_hi - lo].copy_(self._bytes(i)[part_lo - e.offset : part_hi - e.offset])
-        if span is not None:
-            torch.cat(whole, out=buf[span[0] - lo : span[1] - lo].view(whole[0].dtype))
+    def window(self, j: int) -> torch.Tensor:
+        """Payload bytes [lo, hi) of window j: a 1-D uint8 tensor on the communication device."""
+        lo, hi, _ = self.windows[j]
+        piece, idx = self.spans[j]
+        if piece:
+            i = idx[0]
+            if self.cached is None or self.cached[0] != i:
+                self.cached = (i, self._tensor(i).contiguous().reshape(-1).view(torch.uint8))
+            data = self.cached[1][lo - self.entries[i].offset : hi - self.entries[i].offset]
+        else:
+            tensors = [self.values[i] for i in idx] if self.plain else [self._tensor(i) for i in idx]
+            data = _flatten_dense_tensors(tensors).view(torch.uint8)
+        return data if data.device == self.dev else data.to(self.dev)
 
 
 def _vote(

@@ -410,18 +410,55 @@ def test_manifest_round_trip(bucket: int) -> None:
     assert [e.offset for e in entries] == [0, 28, 32, 64]
     total = entries[-1].end
     payload = torch.full((total,), 255, dtype=torch.uint8)
-    packer = _Packer(entries)
     bucket = max(16, bucket // 16 * 16)
     windows = _windows(entries, bucket)
+    packer = _Packer(entries, windows, torch.device("cpu"))
     assert all(hi - lo <= bucket for lo, hi, _ in windows)
     assert {start for _, _, start in windows} == {0, 32, 64}  # windows never cross a region
-    for lo, hi, _ in windows:
-        window = torch.empty(hi - lo, dtype=torch.uint8)
-        packer.fill(window, lo, hi)
-        payload[lo:hi] = window
+    for j, (lo, hi, _) in enumerate(windows):
+        payload[lo:hi] = packer.window(j)
     for e in decoded:
         got = payload[e.offset : e.end].view(e.dtype).view(e.shape)
         assert torch.equal(got, tensors[e.name]), e.name
+
+
+def test_windows_end_at_tensor_boundaries_and_pack_the_source_bytes() -> None:
+    """Windows hold whole tensors (as many as fit) or one piece of a tensor larger than a bucket, never cross a
+    region, and cover the payload; packing gives the source's bytes for plain, strided and DTensor sources."""
+    from policies.pi05.distributed_sync import _build_entries, _Packer, _windows
+
+    g = torch.Generator().manual_seed(0)
+    sizes = [3, 40, 5, 5, 100, 2, 0, 7, 64, 1]  # float32 elements; the bucket below holds 32
+    tensors: dict[str, Any] = {f"t{i}": torch.randn(n, generator=g) for i, n in enumerate(sizes)}
+    tensors["t4"] = torch.randn(10, 10, generator=g).t()  # not contiguous, larger than a bucket
+    tensors["t8"] = FakeDTensor(torch.randn(8, 8, generator=g), fail=False)  # materialised once for its pieces
+    tensors["h"] = torch.randn(9, generator=g).to(torch.bfloat16)
+    entries = _build_entries(tensors, "all")
+    bucket = 32 * 4
+    windows = _windows(entries, bucket)
+    assert windows == [  # (lo, hi, region start)
+        (0, 12, 0), (12, 140, 0), (140, 172, 0),  # t0 | t1 (160 B) in pieces, the last alone
+        (172, 212, 0), (212, 340, 0), (340, 468, 0), (468, 596, 0), (596, 612, 0),  # t2, t3 | t4 (400 B) in pieces
+        (612, 648, 0), (648, 776, 0), (776, 904, 0), (904, 908, 0),  # t5, t6 (empty), t7 | t8 in pieces | t9
+        (912, 930, 912),  # the bfloat16 region, 16-byte aligned
+    ]  # fmt: skip
+    boundaries = {e.offset for e in entries} | {e.end for e in entries}
+    for lo, hi, region in windows:
+        assert hi - lo <= bucket
+        inside = [e for e in entries if e.nbytes and e.offset < hi and e.end > lo]
+        assert len({e.dtype for e in inside}) == 1
+        assert region == min(e.offset for e in entries if e.dtype == inside[0].dtype)
+        assert (lo in boundaries and hi in boundaries) or len(inside) == 1  # only a piece cuts a tensor
+    covered = sorted((lo, hi) for lo, hi, _ in windows)
+    assert all(a[1] == b[0] or (a[1], b[0]) == (908, 912) for a, b in zip(covered, covered[1:]))  # no gaps
+    payload = torch.zeros(entries[-1].end, dtype=torch.uint8)
+    packer = _Packer(entries, windows, torch.device("cpu"))
+    for j, (lo, hi, _) in enumerate(windows):
+        payload[lo:hi] = packer.window(j)
+    for e in entries:
+        source = tensors[e.name]
+        expected = source.full if isinstance(source, FakeDTensor) else source
+        assert torch.equal(payload[e.offset : e.end].view(e.dtype).view(e.shape), expected), e.name
 
 
 def test_direct_regions_receive_into_the_staging_buffers() -> None:
@@ -438,9 +475,10 @@ def test_direct_regions_receive_into_the_staging_buffers() -> None:
     policy.begin_weight_update("trainable")
     direct, names = _direct_regions(policy.staging_layout(), entries, keep)
     assert len(direct) == len(policy.staging_layout()) and sorted(names) == sorted(source)
-    packer = _Packer(entries)
-    for lo, hi, region in _windows(entries, 4096):
-        packer.fill(direct[region][0][lo - region : hi - region], lo, hi)
+    windows = _windows(entries, 4096)
+    packer = _Packer(entries, windows, torch.device("cpu"))
+    for j, (lo, hi, region) in enumerate(windows):
+        direct[region][0][lo - region : hi - region] = packer.window(j)
     policy.mark_staged(names)
     policy.finish_weight_update()
     assert state_equals(policy, sender, list(source)) and tables_fresh(policy)

@@ -114,7 +114,8 @@ class _Entry:
 PhaseHook = Callable[[str], None]
 phase_hook: PhaseHook | None = None
 """Called with a phase name as each phase of `broadcast_weights` ends on this rank ("begin", "manifest",
-"check", "queued", "received", "vote", "commit"); benchmarks set it to time the protocol without a profiler."""
+"check", "queued", "received", "flag", "vote_queued", "vote", "commit"); benchmarks set it to time the protocol
+without a profiler."""
 
 
 def _phase(name: str) -> None:
@@ -284,6 +285,7 @@ def _broadcast(
             except Exception as err:
                 stream.fail(err)
         stream.refused = not stream.ok
+        rows = _vote_rows(policy.weight_version if policy is not None else -1, rank, world, dev)
     _phase("check")
 
     # ---- 3. the buckets (rank src packs and sends; the others receive)
@@ -308,8 +310,8 @@ def _broadcast(
                 flag = torch.stack([flag, *(torch.isfinite(b).all() for b in stream.bounds.values())]).all()
         except Exception as err:
             stream.fail(err)
-    current = policy.weight_version if policy is not None else -1
-    ok, max_version, failed, failed_refused = _vote(stream.ok, stream.refused, flag, current, rank, world, group, dev)
+    _phase("flag")
+    ok, max_version, failed, failed_refused = _vote(stream.ok, stream.refused, flag, rows, group)
     _phase("vote")
     error = stream.error
     if not ok:
@@ -875,28 +877,32 @@ class _Packer:
         return data if data.device == self.dev else data.to(self.dev)
 
 
+def _vote_rows(version: int, rank: int, world: int, dev: torch.device) -> torch.Tensor:
+    """A rank's three possible votes on `dev`, (ok, -version, 2 * failed rank + phase): ok, refused, failed.
+
+    Made before the data lands: a copy from pageable host memory may wait for the stream it is queued on, and the
+    vote must not wait on the host for anything but the all_reduce.
+    """
+    rows = [[1, -version, 2 * world], [0, -version, 2 * rank], [0, -version, 2 * rank + 1]]
+    return torch.tensor(rows, dtype=torch.int64).to(dev)
+
+
 def _vote(
-    ok: bool,
-    refused: bool,
-    flag: torch.Tensor | None,
-    version: int,
-    rank: int,
-    world: int,
-    group: Any,
-    dev: torch.device,
+    ok: bool, refused: bool, flag: torch.Tensor | None, rows: torch.Tensor, group: Any
 ) -> tuple[bool, int, int, bool]:
-    """all_reduce(MIN) of (ok, -version, 2 * failed rank + (0 refused / 1 failed)), `flag` and-ed in on the device.
+    """all_reduce(MIN) of this rank's row of `rows` (`_vote_rows`), `flag` and-ed in on the device.
 
     Returns (all ok, largest version, lowest failed rank, whether it refused the manifest). The flag (this rank's
     finiteness check) is never read on the host before the vote: the reduction waits for it on the device.
     """
-    failure = [0, -version, 2 * rank + (0 if refused else 1)]
-    if not ok or flag is None:
-        t = torch.tensor([1, -version, 2 * world] if ok else failure, dtype=torch.int64, device=dev)
+    if not ok:
+        t = rows[1 if refused else 2].clone()
+    elif flag is None:
+        t = rows[0].clone()
     else:
-        rows = torch.tensor([[1, -version, 2 * world], failure], dtype=torch.int64, device=dev)
-        t = torch.where(flag.to(dev), rows[0], rows[1])
+        t = torch.where(flag.to(rows.device), rows[0], rows[2])
     dist.all_reduce(t, op=dist.ReduceOp.MIN, group=group)
+    _phase("vote_queued")
     all_ok, neg_version, code = t.tolist()
     return bool(all_ok), -neg_version, code // 2, code % 2 == 0
 

@@ -247,7 +247,8 @@ def save_weights(model: torch.nn.Module, path: str | os.PathLike) -> Path:
     """Write the model's parameters to `path`/model.safetensors under LeRobot / openpi names (exact dtypes)."""
     root = Path(path)
     root.mkdir(parents=True, exist_ok=True)
-    tensors = {to_external_name(n): p.detach().contiguous().cpu() for n, p in model.named_parameters()}
+    # copies: some parameters are views of one buffer (the fused expert weights), which safetensors refuses
+    tensors = {to_external_name(n): p.detach().to("cpu", copy=True) for n, p in model.named_parameters()}
     file = root / "model.safetensors"
     tmp = root / "model.safetensors.tmp"
     save_file(tensors, str(tmp), metadata={"format": "pt", "layout": "lerobot_pi05"})

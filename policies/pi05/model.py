@@ -107,7 +107,7 @@ class Pi05Model(nn.Module):
         if cfg.noise_head:
             self.noise_head = NoiseHead(cfg.expert.width, cfg.noise_hidden, cfg.action_dim, cfg.noise_std_range)
         self.fused_expert: list[tuple[torch.Tensor, torch.Tensor]] | None = None
-        self._fused_rows: tuple[list, list[torch.Tensor]] | None = None  # row views of the fused copies
+        self._fused_rows: tuple[list, list, int] | None = None  # the fused buffers' row views, per weight name
         self.attention_config = attention or AttentionConfig()
         self.plan: AttentionPlan = self.attention_config.resolve(torch.device("cpu"), torch.float32)
 
@@ -140,12 +140,15 @@ class Pi05Model(nn.Module):
         return self.plan
 
     def build_fused_expert(self) -> None:
-        """Derived [q;k;v] and [gate;up] weights of every expert layer for the no-grad rollout path.
+        """[q;k;v] and [gate;up] weights of every expert layer in one buffer each, for the no-grad rollout path.
 
-        Three GEMMs become one and RoPE runs once for q and k, per layer and denoise step. The copies live in
-        fixed storage; `refresh_fused_expert()` rewrites them in place after a weight update. Building again
-        (a second scheduler on the same model) refreshes the existing copies instead of replacing them, since
-        graphs captured by the first scheduler read that storage.
+        Three GEMMs become one and RoPE runs once for q and k, per layer and denoise step. The buffers are then the
+        weights' storage: each q, k, v, gate and up parameter becomes a row view of its buffer (same values, same
+        parameter objects), so an in-place write to a parameter (a weight commit, a checkpoint load, an optimizer
+        step) is seen by the fused GEMMs, with nothing to refresh and no second copy in memory. A parameter given
+        new storage later (`model.to(...)`, `.data = ...`) no longer aliases its rows; `refresh_fused_expert()`
+        then copies it in. Building again (a second scheduler on the same model) refreshes instead of replacing,
+        since graphs captured by the first scheduler read this storage. Call it before capturing graphs.
         """
         if self.fused_expert is not None:  # shared by every scheduler of this model: captured graphs hold them
             self.refresh_fused_expert()
@@ -154,9 +157,12 @@ class Pi05Model(nn.Module):
             self.fused_expert = [
                 (layer.self_attn.fused_weight(), layer.mlp.fused_weight()) for layer in self.expert.layers
             ]
+        params = dict(self.expert.named_parameters(prefix="expert"))
+        for name, row in self.fused_rows():
+            params[name].data = row
 
     def _fused_usable(self, x: torch.Tensor) -> bool:
-        """The fused copies serve a no-grad call while they match the live weights' dtype and device.
+        """The fused buffers serve a no-grad call while they match the live weights' dtype and device.
 
         After `model.to(...)`/`.double()` they no longer do (they are plain tensors, not converted), and the
         unfused weights are used until `build_fused_expert()` runs again.
@@ -168,10 +174,10 @@ class Pi05Model(nn.Module):
         return qkv.dtype == weight.dtype == x.dtype and qkv.device == weight.device
 
     def fused_rows(self) -> list[tuple[str, torch.Tensor]]:
-        """(parameter name, its rows in the fused buffers) for every fused weight; [] without fused copies.
+        """(parameter name, its rows in the fused buffers) for every fused weight; [] without fused buffers.
 
-        Row views are made once per set of fused buffers. A weight update can write the new q, k, v, gate and
-        up values straight into these rows (as `refresh_fused_expert` does from the parameters).
+        Row views are made once per set of fused buffers; after `build_fused_expert` they are the parameters'
+        storage.
         """
         if self.fused_expert is None:
             return []
@@ -187,17 +193,16 @@ class Pi05Model(nn.Module):
         return cached[1]
 
     def refresh_fused_expert(self) -> None:
-        """Rewrite the fused copies in place from the current parameters (captured graphs stay valid).
+        """Copy into the fused buffers every q, k, v, gate and up weight that is not a view of its rows.
 
-        One multi-tensor copy of every q, k, v, gate and up weight into its rows of the fused buffers (a shape
-        mismatch raises like `copy_`).
+        Nothing to do while the parameters alias their rows (see `build_fused_expert`); otherwise one multi-tensor
+        copy (a shape mismatch raises like `copy_`). Captured graphs stay valid.
         """
-        rows = self.fused_rows()
-        if not rows:
-            return
         params = dict(self.expert.named_parameters(prefix="expert"))
-        with torch.no_grad():
-            torch._foreach_copy_([row for _, row in rows], [params[name] for name, _ in rows])
+        stale = [(row, params[name]) for name, row in self.fused_rows() if not aliases(params[name], row)]
+        if stale:
+            with torch.no_grad():
+                torch._foreach_copy_([row for row, _ in stale], [param for _, param in stale])
 
     # ---------------------------------------------------------------------------------------- prefix
     def embed_images(self, images: torch.Tensor) -> torch.Tensor:
@@ -352,6 +357,11 @@ class Pi05Model(nn.Module):
             v = self.velocity(self.expert_step(cache, x, self.modulations(self.time_condition(t))))
             x = x - (1.0 / k_steps) * v
         return x
+
+
+def aliases(a: torch.Tensor, b: torch.Tensor) -> bool:
+    """True when `a` and `b` are the same memory (same start, shape and strides)."""
+    return a.data_ptr() == b.data_ptr() and a.shape == b.shape and a.stride() == b.stride() and a.dtype == b.dtype
 
 
 def randomize_parameters_(module: nn.Module, seed: int, std: float = 0.05) -> nn.Module:

@@ -48,6 +48,7 @@ import torch
 from torch._utils import _unflatten_dense_tensors
 
 from .checkpoint import TIED_EMBEDDING, to_internal_name
+from .model import aliases
 
 if TYPE_CHECKING:
     from .model import Pi05Model
@@ -192,18 +193,21 @@ class _Plan:
     def commit_groups(self, fused_rows: list[tuple[str, torch.Tensor]]) -> _CopyGroups:
         """The copies of a complete update, grouped for `_foreach_copy_`, built once per set of fused buffers.
 
-        Every (parameter <- its slot), and (fused row <- the slot of its parameter) for the fused copies.
+        Every (parameter <- its slot), and (fused row <- the slot of its parameter) for each fused row that is not
+        the parameter's own storage (`Pi05Model.build_fused_expert` makes them one; the plan is rebuilt when a
+        parameter's storage moves, see `valid_for`).
         """
         assert self._staging is not None
         if self._commit is None or self._commit[0] is not fused_rows:
-            slots = self._staging[1]
-            dsts = list(self.plist) + [row for name, row in fused_rows if name in slots]
-            srcs = [slots[n] for n in self.expected] + [slots[name] for name, _ in fused_rows if name in slots]
+            slots, params = self._staging[1], dict(zip(self.expected, self.plist))
+            stale = [(name, row) for name, row in fused_rows if name in slots and not aliases(params[name], row)]
+            dsts = list(self.plist) + [row for _, row in stale]
+            srcs = [slots[n] for n in self.expected] + [slots[name] for name, _ in stale]
             self._commit = (fused_rows, _group_pairs(dsts, srcs))
         return self._commit[1]
 
     def valid_for(self, params: dict[str, torch.nn.Parameter]) -> bool:
-        """True while every planned name is still the same parameter with the same dtype, shape and device."""
+        """True while every planned name is still the same parameter with the same dtype, shape, device and storage."""
         try:
             plist = [params[n] for n in self.expected]
         except KeyError:
@@ -212,7 +216,7 @@ class _Plan:
 
 
 def _signature(plist: list[torch.nn.Parameter]) -> list[tuple[Any, ...]]:
-    return [(p.dtype, p.shape, p.device) for p in plist]
+    return [(p.dtype, p.shape, p.device, p.data_ptr()) for p in plist]
 
 
 class _Transaction:

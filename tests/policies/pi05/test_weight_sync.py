@@ -18,7 +18,7 @@ from helpers import StandInProcessor
 from policies.pi05.checkpoint import DEAD_KEYS, TIED_EMBEDDING, to_external_name
 from policies.pi05.config import Pi05Config
 from policies.pi05.inputs import ModelInputs
-from policies.pi05.model import Pi05Model, randomize_parameters_
+from policies.pi05.model import Pi05Model, aliases, randomize_parameters_
 from policies.pi05.policy import Pi05Policy, RolloutConfig
 from policies.pi05.scheduler import SchedulerConfig
 from policies.pi05.weight_sync import WeightSyncError, WeightSyncStateError
@@ -470,7 +470,8 @@ def test_cached_plan_follows_parameter_changes() -> None:
     assert model.action_in_proj.bias.dtype == torch.float64
     assert torch.equal(model.action_in_proj.bias, make_model(seed=11).action_in_proj.bias.double())
     # a submodule replaced deep in the tree, and a parameter swapped in a module's dict without setattr
-    path, linear = next((n, m) for n, m in model.named_modules() if n.startswith("expert.") and n.endswith("proj"))
+    # (o_proj: not a view of a fused buffer, whose rows the commit writes whatever module holds them)
+    path, linear = next((n, m) for n, m in model.named_modules() if n.startswith("expert.") and n.endswith("o_proj"))
     parent_path, _, child = path.rpartition(".")
     replacement = copy.deepcopy(linear)
     setattr(model.get_submodule(parent_path), child, replacement)
@@ -485,6 +486,28 @@ def test_cached_plan_follows_parameter_changes() -> None:
     model.action_out_proj.register_parameter("extra", torch.nn.Parameter(torch.zeros(2)))
     with pytest.raises(WeightSyncError, match="parameters .* were not sent: .'action_out_proj.extra'"):
         policy.sync_weights(fresh, expected="all")
+
+
+def test_fused_weights_are_the_parameters_storage() -> None:
+    """The scheduler's fused [q;k;v] / [gate;up] buffers are the weights' storage: a commit writes each fused
+    weight once; a parameter given new storage is copied into its rows by the next commit (the plan is rebuilt)."""
+    policy = make_policy(make_model(seed=0))
+    model = policy.model
+    params = dict(model.named_parameters())
+    rows = model.fused_rows()
+    assert rows and all(aliases(params[name], row) for name, row in rows)
+    plan_copies = lambda: sum(len(d) for d, _ in policy._sync_plans[tuple(params)].commit_groups(rows)[0])  # noqa: E731
+    fresh = make_model(seed=7)
+    policy.sync_weights(fresh, expected="all")
+    assert plan_copies() == len(params)  # no second copy of a fused weight
+    assert all(torch.equal(row, dict(fresh.named_parameters())[name]) for name, row in rows)
+    q = model.expert.layers[0].self_attn.q_proj.weight
+    q.data = q.data.clone()  # new storage: the fused rows are now a copy to keep up to date
+    fresh = make_model(seed=9)
+    policy.sync_weights(fresh, expected="all")
+    assert plan_copies() == len(params) + 1
+    assert all(torch.equal(row, dict(fresh.named_parameters())[name]) for name, row in rows)
+    assert not aliases(q, rows[0][1]) and rows[0][0] == "expert.layers.0.self_attn.q_proj.weight"
 
 
 def test_manifest_check_is_reused_only_while_it_holds() -> None:

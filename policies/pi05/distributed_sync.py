@@ -73,6 +73,9 @@ link busy: expert + heads (1.1 GB) went 7.45 ms in 9 windows of 128 MiB vs 6.11 
 window_checks = True
 """Reduce each window received into a staging buffer as it lands (on a side stream); False: one reduction of the
 whole staging buffers after the last window (`weight_update_ok`). Benchmarks compare the two."""
+_PACK_DELAY_CYCLES = 30_000
+"""GPU clock cycles (~15-20 us) rank src waits, once a window has left, before packing the next-but-one (see
+`_WindowStream._pack`)."""
 _MAGIC = 0x5049_3035  # "PI05"
 _PROTOCOL = 5
 _ALIGN = 16
@@ -509,6 +512,11 @@ class _WindowStream:
         lo, hi, region = self.windows[j]
         if len(self.in_flight) == 2:
             self.in_flight.popleft().wait()  # NCCL: the current stream waits, and the packing below with it
+            if self.dev.type == "cuda" and hasattr(torch.cuda, "_sleep"):
+                # Window j - 1's broadcast starts as window j - 2 ends, when this packing may start too: a packing
+                # kernel that takes every SM first holds the broadcast back until it drains (~0.16 ms per 256 MiB
+                # window on the H200). A one-thread spin lets the broadcast's blocks in first.
+                torch.cuda._sleep(_PACK_DELAY_CYCLES)
         data = None
         if self.ok:
             try:

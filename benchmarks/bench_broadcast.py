@@ -52,11 +52,17 @@ def main() -> None:
                         help="after timing, profile one more broadcast on every rank and write its chrome trace here")
     parser.add_argument("--gpu-only-trace", action="store_true",
                         help="the trace records GPU activity only (host timing then stays close to an untraced run)")
+    parser.add_argument("--high-priority", action="store_true",
+                        help="NCCL process group on high-priority streams (ProcessGroupNCCL.Options)")
     parser.add_argument("--window-checks", choices=("on", "off"), default="on",
                         help="off: one finiteness reduction of the staging buffers after the last window")
     args = parser.parse_args()
     cuda = torch.cuda.is_available()
-    dist.init_process_group("nccl" if cuda else "gloo")
+    options = None
+    if cuda and args.high_priority:
+        options = dist.ProcessGroupNCCL.Options()
+        options.is_high_priority_stream = True
+    dist.init_process_group("nccl" if cuda else "gloo", pg_options=options)
     rank = dist.get_rank()
     device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", 0))) if cuda else torch.device("cpu")
     if cuda:
@@ -153,7 +159,8 @@ def main() -> None:
                "phase_end_ms_p50_per_rank": [
                    {k: round(v, 3) for k, v in zip(names, g.tolist()) if v == v} for g in gathered
                ],
-               "bucket_bytes": bucket, "window_checks": args.window_checks, "target_ratio": 2.0,
+               "bucket_bytes": bucket, "window_checks": args.window_checks, "high_priority": args.high_priority,
+               "target_ratio": 2.0,
                "final_version": int(version.item()),
                "report_tensors": report.num_tensors}
         print(json.dumps(row), flush=True)

@@ -304,7 +304,7 @@ def section_profile(out: Path) -> None:
 def section_broadcast(out: Path) -> None:
     """Rank 0 -> rank 1 weight broadcast against raw NCCL (needs 2 GPUs; torchrun in a subprocess): the default
     bucket size (with GPU-only chrome traces of one more broadcast per rank), 9 buckets of ~123 MB, and the
-    default with one finiteness reduction after the last window instead of one per window."""
+    default on a process group with high-priority NCCL streams."""
     if torch.cuda.device_count() < 2:
         _emit(out, {"section": "broadcast", "status": f"not run: {torch.cuda.device_count()} GPU(s), needs 2"})
         return
@@ -315,7 +315,7 @@ def section_broadcast(out: Path) -> None:
         [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "benchmarks/bench_broadcast.py",
          "--out", results, "--iters", "30", "--buckets", "9"],
         [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "benchmarks/bench_broadcast.py",
-         "--out", results, "--iters", "30", "--window-checks", "off"],
+         "--out", results, "--iters", "30", "--high-priority"],
     ]  # fmt: skip
     logs = []
     for cmd in runs:

@@ -40,6 +40,7 @@ import itertools
 import operator
 import threading
 import time
+import weakref
 from collections.abc import Collection, Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
@@ -237,11 +238,12 @@ class _Transaction:
         self.validated = False
         self.flag_issued = False  # `weight_update_ok` returned a finiteness flag for what is staged now
         self.prepared: dict[int, torch.Tensor] | None = None  # tables computed from the staged values
+        self.staged_event: Any = None  # on the staging stream: the staged values (and their check) are complete
 
     def staged_more(self) -> None:
         """New data arrived: a passed check, a finiteness flag and the prepared tables no longer cover it."""
         self.validated = self.flag_issued = False
-        self.prepared = None
+        self.prepared = self.staged_event = None
 
     def ours(self, name: str) -> str | None:
         """Our name for a source name (ours pass through without the prefix mapping)."""
@@ -326,21 +328,59 @@ def source_pairs(source: WeightSource, where: str, trainable_only: bool = False)
     is left out (they are one tensor). `trainable_only` keeps an `nn.Module`'s `requires_grad` parameters.
     """
     if isinstance(source, torch.nn.Module):
-        for name, param in source.named_parameters():
-            if trainable_only and not param.requires_grad:
-                continue
-            for segment in _WRAPPER_SEGMENTS:
-                name = name.replace(segment, "")
-            yield (name[len("module.") :] if name.startswith("module.") else name), param
+        yield from zip(*source_lists(source, where, trainable_only))
         return
-    tied_dup = False
-    if isinstance(source, Mapping):
-        embed = [k for k in source if to_internal_name(k) == "llm.embed_tokens.weight"]
-        tied_dup = len(embed) > 1
+    tied_dup = isinstance(source, Mapping) and _tied_duplicate(list(source))
     for name, value in iter_named_tensors(source, where):
         if tied_dup and name.removeprefix("model.") == TIED_EMBEDDING:
             continue
         yield name, value
+
+
+def source_lists(source: WeightSource, where: str, trainable_only: bool = False) -> tuple[list[str], list[Any]]:
+    """`source_pairs` as (names, values) lists, without per-pair Python for a module or a dict.
+
+    A module's named parameters come from a cached `_ParamTable` (re-walked only when its module tree changed);
+    a dict's from its keys and values lists. A trainer's sync calls this every iteration on the same source.
+    """
+    if isinstance(source, torch.nn.Module):
+        cached = _MODULE_TABLES.get(source)
+        if cached is None or not cached[0].valid():
+            table = _ParamTable(source)
+            names = []
+            for name in table.params:
+                for segment in _WRAPPER_SEGMENTS:
+                    name = name.replace(segment, "")
+                names.append(name[len("module.") :] if name.startswith("module.") else name)
+            cached = _MODULE_TABLES[source] = (table, names, list(table.params.values()))
+        _, names, params = cached
+        if not trainable_only:
+            return list(names), list(params)
+        keep = [p.requires_grad for p in params]
+        return list(itertools.compress(names, keep)), list(itertools.compress(params, keep))
+    if type(source) is dict and all(type(k) is str for k in source):
+        names, values = list(source), list(source.values())
+        if _tied_duplicate(names):
+            keep = [n.removeprefix("model.") != TIED_EMBEDDING for n in names]
+            return list(itertools.compress(names, keep)), list(itertools.compress(values, keep))
+        return names, values
+    pairs = list(source_pairs(source, where, trainable_only))
+    return [n for n, _ in pairs], [v for _, v in pairs]
+
+
+_MODULE_TABLES: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+"""Per source module: its `_ParamTable`, the names with wrapper segments removed, the parameters."""
+
+
+def _tied_duplicate(names: list[str]) -> bool:
+    """The names hold both the token embedding and LeRobot's tied `lm_head` copy of it (memoised per names)."""
+    key = tuple(names)
+    if _TIED.get("key") != key:
+        _TIED.update(key=key, value=sum(to_internal_name(k) == "llm.embed_tokens.weight" for k in names) > 1)
+    return _TIED["value"]
+
+
+_TIED: dict[str, Any] = {}
 
 
 class WeightSyncMixin:
@@ -509,6 +549,8 @@ class WeightSyncMixin:
             flag = _finite_flag(txn, frozenset(checked))
             if txn.stream is not None:
                 torch.cuda.current_stream(self.device).wait_stream(txn.stream)
+                txn.staged_event = torch.cuda.Event()
+                txn.staged_event.record(txn.stream)
             txn.flag_issued = True
             if self.scheduler.tables is not None:  # after the wait above: a vote on the flag does not wait for these
                 with txn.on_stream():
@@ -858,13 +900,20 @@ class WeightSyncMixin:
         names = list(txn.received)
         compute = torch.cuda.current_stream(self.device) if txn.stream is not None else None
         try:
+            whole = len(names) == len(txn.plan.expected)
             if compute is not None and txn.stream is not None:
-                compute.wait_stream(txn.stream)
+                # the weight copies need the staged values only; the tables prepared from them may still be computing
+                if whole and txn.prepared is not None and txn.staged_event is not None:
+                    compute.wait_event(txn.staged_event)
+                else:
+                    compute.wait_stream(txn.stream)
                 for event in (self._reader_events or {}).values():
                     compute.wait_event(event)  # readers on other streams finish with the old weights first
             with torch.no_grad():  # no_grad: parameters are written in place without detach
-                if len(names) == len(txn.plan.expected):  # the whole set: the plan's copy lists, fused rows too
+                if whole:  # the whole set: the plan's copy lists, fused rows too
                     _copy_groups(txn.plan.commit_groups(self.model.fused_rows()), non_blocking=False)
+                    if compute is not None and txn.stream is not None:
+                        compute.wait_stream(txn.stream)  # the prepared tables
                     self.scheduler.refresh_tables(fused=False, prepared=txn.prepared)
                 else:
                     params, slots = txn.params, txn.slots

@@ -143,7 +143,8 @@ def main() -> None:
     slowest = times[1].max(0).values.tolist()
     per_rank = [_p50(times[1, r].tolist()) for r in range(dist.get_world_size())]
     # each rank's p50 time at which each phase ended (host clock from the common barrier; "end" after its GPU work)
-    names = ["manifest", "queued", "begin", "check", "received", "flag", "vote_queued", "vote", "commit", "end"]
+    names = ["posted", "manifest", "queued", "begin", "check", "received", "flag", "vote_queued", "vote", "commit",
+             "end"]
     nan = float("nan")
     mine = torch.tensor([_p50([ph.get(k, nan) for ph in phases]) for k in names], dtype=torch.float64, device=device)
     gathered = [torch.zeros_like(mine) for _ in range(dist.get_world_size())]

@@ -520,3 +520,20 @@ def test_source_manifest_is_reused_only_for_the_same_tensors() -> None:
     assert probe() is None  # the cache did not keep it alive
     assert _manifest(source, "all")[1] is not meta2  # its weak reference is dead: rebuilt
     _release_values(_SENT["entries"])
+
+    # a module source: its parameter table is cached; a replaced parameter, a new shape or another trainable set
+    # rebuilds the manifest
+    entries, meta, _ = _manifest(model, "trainable")
+    assert _manifest(model, "trainable")[1] is meta and len(entries) == len(source)
+    model.action_out_proj.bias.requires_grad_(False)
+    entries, meta, _ = _manifest(model, "trainable")
+    assert len(entries) == len(source) - 1 and "action_out_proj.bias" not in {e.name for e in entries}
+    model.action_out_proj.bias = torch.nn.Parameter(torch.zeros(model.action_out_proj.bias.shape))
+    entries, meta2, _ = _manifest(model, "trainable")
+    assert meta2 is not meta and next(e for e in entries if e.name == "action_out_proj.bias").value is (
+        model.action_out_proj.bias
+    )
+    model.action_out_proj.bias.data = torch.zeros(3)  # same object, another shape
+    entries, meta3, _ = _manifest(model, "trainable")
+    assert meta3 is not meta2 and next(e for e in entries if e.name == "action_out_proj.bias").shape == (3,)
+    _release_values(_SENT["entries"])

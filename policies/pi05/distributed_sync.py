@@ -311,8 +311,8 @@ def _broadcast(
             elif direct_names:
                 policy.mark_staged(direct_names)
             flag = policy.weight_update_ok(checked)
-            if stream.bounds and not moved:
-                flag = torch.stack([flag, *(torch.isfinite(b).all() for b in stream.bounds.values())]).all()
+            if stream.window_flag is not None and not moved:
+                flag = torch.logical_and(flag, stream.window_flag)
         except Exception as err:
             stream.fail(err)
     _phase("flag")
@@ -422,6 +422,7 @@ class _WindowStream:
         self.ok, self.refused, self.error = True, False, None
         self.works: list[tuple[Any, torch.Tensor]] = []  # (broadcast, its buffer), waited for before the vote
         self.bounds: dict[torch.dtype, torch.Tensor] = {}  # per dtype: [min; max] of each window received in staging
+        self.window_flag: torch.Tensor | None = None  # every bound finite (on the side stream)
         self.widest = max((hi - lo for lo, hi, _ in windows), default=0)
         self.in_flight: collections.deque[Any] = collections.deque()  # rank src: its last two windows' broadcasts
         self.scratch: torch.Tensor | None = None
@@ -493,6 +494,9 @@ class _WindowStream:
                 except Exception as err:
                     self.fail(err)
             del buf, ready
+        if self.bounds:  # queued now, so that nothing of it is left to the host once the data has landed
+            with torch.cuda.stream(side) if side is not None else contextlib.nullcontext():
+                self.window_flag = torch.stack([torch.isfinite(b).all() for b in self.bounds.values()]).all()
 
     def _buffer(self, j: int, target: tuple[torch.Tensor, torch.dtype] | None, stage_here: bool) -> torch.Tensor:
         """The buffer a receiver takes window j into."""
@@ -545,7 +549,10 @@ class _WindowStream:
         self.in_flight.clear()
         side = _side_stream(self.dev)
         if side is not None:
-            torch.cuda.current_stream(self.dev).wait_stream(side)
+            current = torch.cuda.current_stream(self.dev)
+            current.wait_stream(side)
+            if self.window_flag is not None:
+                self.window_flag.record_stream(current)  # made on the side stream, read on this one
 
 
 _Regions = dict[int, tuple[torch.Tensor, torch.dtype]]

@@ -252,11 +252,17 @@ class Pi05Model(nn.Module):
         return PrefixCache(keys, values, valid, valid.long().sum(dim=1), output)
 
     # ---------------------------------------------------------------------------------------- expert
-    def time_condition(self, t: torch.Tensor, values: Mapping[str, torch.Tensor] | None = None) -> torch.Tensor:
+    def time_condition(
+        self,
+        t: torch.Tensor,
+        values: Mapping[str, torch.Tensor] | None = None,
+        embeddings: dict[torch.dtype, torch.Tensor] | None = None,
+    ) -> torch.Tensor:
         """(B,) times -> (B, We) float32 adaRMS condition: swish(out(swish(in(sincos(t))))).
 
         `values` (parameter name -> tensor) replaces the time MLP's parameters it names (a weight update computes
-        its tables from the staged values before they are committed).
+        its tables from the staged values before they are committed). `embeddings` memoises sincos(t) per dtype
+        for a fixed `t` (the rollout tables' step times): it depends on no weight.
         """
         cfg, values = self.config, values or {}
         w_in, b_in, w_out, b_out = (
@@ -264,7 +270,12 @@ class Pi05Model(nn.Module):
             for name in ("time_mlp_in", "time_mlp_out")
             for leaf in ("weight", "bias")
         )
-        emb = sinusoidal_time_embedding(t, cfg.expert.width, cfg.min_period, cfg.max_period, upcast_dtype(w_in.dtype))
+        dtype = upcast_dtype(w_in.dtype)
+        emb = None if embeddings is None else embeddings.get(dtype)
+        if emb is None:
+            emb = sinusoidal_time_embedding(t, cfg.expert.width, cfg.min_period, cfg.max_period, dtype)
+            if embeddings is not None:
+                embeddings[dtype] = emb
         hidden = F.silu(F.linear(emb, w_in, b_in))
         return F.silu(F.linear(hidden, w_out, b_out))
 

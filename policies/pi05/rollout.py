@@ -54,6 +54,7 @@ class RolloutTables:
         self.model = model
         device = next(model.parameters()).device
         self.tables: dict[int, KTables] = {}
+        self.embeddings: dict[int, dict[torch.dtype, torch.Tensor]] = {}  # per K: the step times' sincos, per dtype
         dtype = model.compute_dtype
         names = {id(m): name for name, m in model.named_modules()}
         self.norm_names = [names[id(n)] for n in model.expert.adaptive_norms()]  # "expert.layers.0.input_layernorm"
@@ -65,7 +66,8 @@ class RolloutTables:
     def _modulation(self, steps: StepTables, values: Mapping[str, torch.Tensor] | None = None) -> torch.Tensor:
         """(n_norms, K, 3We) [1 + scale | shift | gate] from the weights, or from `values` where it names them."""
         with torch.no_grad():
-            cond = self.model.time_condition(steps.times[:-1], values)  # (K, We)
+            embeddings = self.embeddings.setdefault(len(steps.deltas), {})
+            cond = self.model.time_condition(steps.times[:-1], values, embeddings)  # (K, We)
             norms = self.model.expert.adaptive_norms()
             values = values or {}
             weights = [values.get(f"{name}.dense.weight", n.dense.weight) for name, n in zip(self.norm_names, norms)]

@@ -18,7 +18,9 @@ Protocol 4:
    (`kept_weight_staging`) and finds every window's region in them queues all its receives there as soon as it
    has the manifest, and opens its update while the data travels (nothing in a staging buffer is visible; if
    the update stages elsewhere, its plan having been rebuilt, the tensors are staged from the kept buffers).
-   Any other rank opens its update while the first message travels. The wire protocol is the same either way.
+   Other receivers open their update once they have the manifest, rank src while the first message travels.
+   A receiver holds its policy's lock from the manifest to the end of its check, not while it waits for the
+   message (under gloo, whose waits block the host, that includes receiving the windows it queued early).
 3. Buckets: the payload is laid out per dtype (one region per dtype, 16-byte aligned, tensors packed back to
    back in manifest order inside it) and sent in windows of at most `bucket_bytes` that never cross a region.
    A rank whose staging buffer for that dtype holds exactly the region's tensors in the same order (the usual
@@ -203,58 +205,58 @@ def _broadcast(
     first_work = dist.broadcast(first, src, group=group, async_op=True)
     _phase("posted")
 
-    # A receiver that kept its staging buffers from the last update queues its receives into them as soon as it
-    # has the manifest, and opens its update (parameter table and plan checks) while the data travels; without
-    # kept buffers it opens the update while the message travels. The policy lock is held until the manifest
-    # check, so no other update can open on these buffers meanwhile.
+    # Rank src (with a policy: colocated) opens its update while the message travels.
+    ours: Pi05Policy | None = None  # the policy whose update this call opened (only that one is aborted here)
+    begin_error: BaseException | None = None
+    if rank == src:
+        ours, begin_error = _begin(policy, expected)
+    first_work.wait()
+    head = first.cpu() if rank != src else message[:_FIRST]
+    fields = head[:_HEADER].tolist()
+    magic, protocol, status, n, name_bytes, total, bucket, num_buckets, sent_version, dims = fields
+    if magic != _MAGIC or protocol != _PROTOCOL or status != 0:
+        _abort(ours)
+    if magic != _MAGIC or protocol != _PROTOCOL:
+        raise WeightSyncError(
+            f"broadcast_weights: rank {src} speaks protocol {protocol} (magic {magic:#x}), expected {_PROTOCOL}; "
+            "run the same phyai-gym version on every rank."
+        )
+    if status != 0:
+        if source_error is not None:
+            raise WeightSyncError(
+                f"broadcast_weights: the source on rank {src} could not be read "
+                f"({type(source_error).__name__}: {source_error}); every rank keeps its weights."
+            ) from source_error
+        raise WeightSyncError(
+            f"broadcast_weights: the source on rank {src} could not be read (see rank {src}'s error); "
+            "every rank keeps its weights."
+        )
+    size = _HEADER + 5 * n + dims + -(-name_bytes // 8)  # the message: header, manifest columns, names
+    if size > _FIRST:  # a manifest too large for the first message: the rest in a second one
+        rest = torch.empty(size - _FIRST, dtype=torch.int64, device=dev)
+        if rank == src:
+            rest.copy_(message[_FIRST:])
+        dist.broadcast(rest, src, group=group)
+        if rank != src:
+            head = torch.cat([head, rest.cpu()])
+    if rank != src:
+        entries = _decode_cached(head[_HEADER:size], n, dims, name_bytes)
+    windows = _windows(entries, bucket)
+    if len(windows) != num_buckets:
+        _abort(ours)
+        raise WeightSyncError(
+            f"broadcast_weights: rank {src} announced {num_buckets} buckets, the manifest gives {len(windows)}; "
+            "run the same phyai-gym version on every rank."
+        )
+    _phase("manifest")
+
+    # A receiver that kept its staging buffers from the last update queues its receives into them now, and opens
+    # its update (parameter table and plan checks) while the data travels. It holds the policy lock from here to
+    # the manifest check (not while it waited for the message), so no other update opens on those buffers.
+    packer = _Packer(entries, windows, dev) if rank == src else None
+    stream = _WindowStream(policy, entries, windows, src, group, dev, packer)
     kept_staging = policy.kept_weight_staging() if policy is not None and rank != src else None
     with kept_staging if kept_staging is not None else contextlib.nullcontext() as kept:
-        ours: Pi05Policy | None = None  # the policy whose update this call opened (only that one is aborted here)
-        begin_error: BaseException | None = None
-        if kept is None:
-            ours, begin_error = _begin(policy, expected)
-        first_work.wait()
-        head = first.cpu() if rank != src else message[:_FIRST]
-        fields = head[:_HEADER].tolist()
-        magic, protocol, status, n, name_bytes, total, bucket, num_buckets, sent_version, dims = fields
-        if magic != _MAGIC or protocol != _PROTOCOL or status != 0:
-            _abort(ours)
-        if magic != _MAGIC or protocol != _PROTOCOL:
-            raise WeightSyncError(
-                f"broadcast_weights: rank {src} speaks protocol {protocol} (magic {magic:#x}), expected "
-                f"{_PROTOCOL}; run the same phyai-gym version on every rank."
-            )
-        if status != 0:
-            if source_error is not None:
-                raise WeightSyncError(
-                    f"broadcast_weights: the source on rank {src} could not be read "
-                    f"({type(source_error).__name__}: {source_error}); every rank keeps its weights."
-                ) from source_error
-            raise WeightSyncError(
-                f"broadcast_weights: the source on rank {src} could not be read (see rank {src}'s error); "
-                "every rank keeps its weights."
-            )
-        size = _HEADER + 5 * n + dims + -(-name_bytes // 8)  # the message: header, manifest columns, names
-        if size > _FIRST:  # a manifest too large for the first message: the rest in a second one
-            rest = torch.empty(size - _FIRST, dtype=torch.int64, device=dev)
-            if rank == src:
-                rest.copy_(message[_FIRST:])
-            dist.broadcast(rest, src, group=group)
-            if rank != src:
-                head = torch.cat([head, rest.cpu()])
-        if rank != src:
-            entries = _decode_cached(head[_HEADER:size], n, dims, name_bytes)
-        windows = _windows(entries, bucket)
-        if len(windows) != num_buckets:
-            _abort(ours)
-            raise WeightSyncError(
-                f"broadcast_weights: rank {src} announced {num_buckets} buckets, the manifest gives "
-                f"{len(windows)}; run the same phyai-gym version on every rank."
-            )
-        _phase("manifest")
-
-        packer = _Packer(entries, windows, dev) if rank == src else None
-        stream = _WindowStream(policy, entries, windows, src, group, dev, packer)
         early = {}  # region start -> kept buffer: every window received there before the update opens
         if kept is not None:
             early = _direct_regions(kept, entries, [True] * n)[0]
@@ -263,6 +265,7 @@ def _broadcast(
                 _phase("queued")
             else:
                 early = {}
+        if rank != src:
             ours, begin_error = _begin(policy, expected)
 
         # ---- 2. the manifest check and the receive buffers

@@ -262,7 +262,7 @@ def early_receives(rank: int, world: int) -> dict[str, Any]:
             lambda: broadcast_weights(policy, source if rank == 0 else None, expected="trainable",
                                       bucket_bytes=BUCKET, **kwargs)
         )  # fmt: skip
-        out[f"{key}_receives_first"] = marks.index("manifest") < marks.index("begin")
+        out[f"{key}_receives_first"] = marks.index("queued") < marks.index("begin")
         if policy is not None:
             out[f"{key}_weights"] = [i for i, t in enumerate(trainers) if state_equals(policy, t, names)]
             out[f"{key}_tables"] = tables_fresh(policy)

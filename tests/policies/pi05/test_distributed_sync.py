@@ -280,17 +280,61 @@ def early_receives(rank: int, world: int) -> dict[str, Any]:
     return out
 
 
+def act_while_waiting(rank: int, world: int) -> dict[str, Any]:
+    """A receiver waiting for rank src's message (a trainer still busy) does not hold its policy's lock: `act()`
+    runs meanwhile. Rank 0 sends only once rank 1 has acted (a file), or gives up after 30 s."""
+    import threading
+    import time
+
+    from helpers import make_inputs
+
+    tmp = WORKDIR[0]
+    policy = make_policy(0) if rank == 1 else None
+    trainers = [make_model(7), make_model(8)]
+    out: dict[str, Any] = {}
+    for i, trainer in enumerate(trainers):
+        if i == 1 and rank == 0:
+            deadline = time.monotonic() + 30
+            while not Path(tmp, "acted").exists() and time.monotonic() < deadline:
+                time.sleep(0.01)
+            out["saw_act"] = Path(tmp, "acted").exists()  # False: rank 1's act waited for this message
+        if i == 1 and rank == 1:
+            results: dict[str, Any] = {}
+
+            def sync(results: dict[str, Any] = results) -> None:
+                results["r"] = attempt(lambda: broadcast_weights(policy, None, expected="all"))
+
+            thread = threading.Thread(target=sync)
+            thread.start()
+            time.sleep(0.2)  # the sync is waiting for the message now (it does not come before we act)
+            acted = policy.act_inputs(make_inputs(1, slots=(0, 1)))
+            out["act_version"] = acted.header.weight_version
+            Path(tmp, "acted").write_text("1")
+            thread.join()
+            out["second"] = results["r"]
+            continue
+        out["first" if i == 0 else "second"] = attempt(
+            lambda trainer=trainer: broadcast_weights(policy, trainer if rank == 0 else None, expected="all")
+        )
+    if policy is not None:
+        out["weights"] = state_equals(policy, trainers[1])
+    return out
+
+
 SCENARIOS = {
     "commit_then_nan": commit_then_nan,
     "refusals": refusals,
     "long_manifest": long_manifest,
     "cuda_buffers": cuda_buffers,
     "early_receives": early_receives,
+    "act_while_waiting": act_while_waiting,
 }
+WORKDIR: list[str] = []  # the worker's tmp directory
 
 
 def _worker(rank: int, world: int, scenario: str, tmp: str) -> None:
     torch.set_num_threads(1)
+    WORKDIR[:] = [tmp]
     dist.init_process_group("gloo", init_method=f"file://{tmp}/rendezvous", rank=rank, world_size=world)
     try:
         result = SCENARIOS[scenario](rank, world)
@@ -364,6 +408,14 @@ def test_receivers_queue_their_receives_before_opening_the_update(tmp_path: Path
     for key, weights in expected.items():
         assert receiver[f"{key}_weights"] == weights, (key, receiver[f"{key}_weights"])
         assert receiver[f"{key}_tables"] and not receiver[f"{key}_in_progress"], key
+
+
+def test_act_runs_while_a_receiver_waits_for_the_message(tmp_path: Path) -> None:
+    results = run("act_while_waiting", 2, tmp_path)
+    for r, res in enumerate(results):
+        assert res["first"]["ok"] and res["second"] == {"ok": True, "version": 2, "num_tensors": 103}, (r, res)
+    assert results[0]["saw_act"]  # rank 1 acted while its sync waited for rank 0's message
+    assert results[1]["act_version"] == 1 and results[1]["weights"]
 
 
 @pytest.mark.cuda

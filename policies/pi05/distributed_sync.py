@@ -428,6 +428,13 @@ class _WindowStream:
         self.window_flag: torch.Tensor | None = None  # every bound finite (on the side stream)
         self.widest = max((hi - lo for lo, hi, _ in windows), default=0)
         self.in_flight: collections.deque[Any] = collections.deque()  # rank src: its last two windows' broadcasts
+        # each window goes straight to the process group: what `dist.broadcast` adds (argument checks, group-rank
+        # translation, logging wrappers) is per call host time, ~5 calls per update on every rank
+        self.pg = group if group is not None else dist.group.WORLD
+        self.options = dist.BroadcastOptions()
+        self.options.rootRank = dist.get_group_rank(self.pg, src) if group is not None else src
+        self.options.rootTensor = 0
+        self.options.asyncOp = True
         self.scratch: torch.Tensor | None = None
 
     def fail(self, err: BaseException) -> None:
@@ -457,7 +464,7 @@ class _WindowStream:
             target = direct.get(region) if self.ok else None
             stage_here = target is None and keep is not None and policy is not None and self.ok
             buf = self._pack(j, target) if self.packer is not None else self._buffer(j, target, stage_here)
-            work = dist.broadcast(buf, self.src, group=self.group, async_op=True)
+            work = self.pg.broadcast([buf], self.options)
             if self.packer is not None:  # not kept in `works`: a packed window's memory is freed once it left
                 self.in_flight.append(work)
             if not stage_here:

@@ -161,6 +161,7 @@ class _Plan:
         # staging buffers (per dtype) and their slot views, kept between updates; see `staging`
         self._staging: tuple[dict[torch.dtype, torch.Tensor], dict[str, torch.Tensor]] | None = None
         self._commit: tuple[Any, _CopyGroups] | None = None  # (fused rows it was built for, the copy groups)
+        self._prepare: tuple[Any, Any, dict[int, torch.Tensor] | None] | None = None  # (tables, graph, its outputs)
 
     def staging(self, stream: Any) -> tuple[dict[torch.dtype, torch.Tensor], dict[str, torch.Tensor]]:
         """The flat staging buffer of each dtype and the slot view of each name, allocated on first use.
@@ -190,6 +191,37 @@ class _Plan:
         """Drop the staging buffers (freed once the commits that read them ran; see `_commit`)."""
         self._staging = None
         self._commit = None
+        self._prepare = None
+
+    def prepare_tables(self, tables: Any, stream: Any) -> dict[int, torch.Tensor]:
+        """`tables.prepare` from the staged values, queued on `stream` (the current stream).
+
+        On CUDA the second update of a plan captures the preparation into a CUDA graph (it reads the staging slots,
+        whose addresses the plan keeps, and the constant step tables), and later updates replay it: one launch
+        instead of ~10 kernels and their host work, which a receiver of a broadcast must finish before the data
+        lands. The graph's outputs are reused; each update's commit has copied them out before the next update
+        writes its staging buffers (`begin_weight_update` orders the staging stream after the last commit).
+        """
+        assert self._staging is not None
+        slots = self._staging[1]
+        cached = self._prepare
+        if stream is None or (cached is not None and cached[0] is tables and cached[1] is None):
+            return tables.prepare(slots)  # CPU, or a capture that failed: eager
+        if cached is not None and cached[0] is tables:
+            cached[1].replay()
+            return cached[2]
+        out = tables.prepare(slots)  # eager, and the warm-up of the capture below
+        graph = torch.cuda.CUDAGraph()
+        try:
+            graph.capture_begin(capture_error_mode="thread_local")
+            try:
+                captured = tables.prepare(slots)
+            finally:
+                graph.capture_end()
+            self._prepare = (tables, graph, captured)
+        except Exception:  # not capturable here: stay eager for this plan
+            self._prepare = (tables, None, None)
+        return out
 
     def commit_groups(self, fused_rows: list[tuple[str, torch.Tensor]]) -> _CopyGroups:
         """The copies of a complete update, grouped for `_foreach_copy_`, built once per set of fused buffers.
@@ -554,7 +586,7 @@ class WeightSyncMixin:
             txn.flag_issued = True
             if self.scheduler.tables is not None:  # after the wait above: a vote on the flag does not wait for these
                 with txn.on_stream():
-                    txn.prepared = self.scheduler.tables.prepare(txn.slots)
+                    txn.prepared = txn.plan.prepare_tables(self.scheduler.tables, txn.stream)
             return flag
 
     def finish_weight_update(self, *, version: int | None = None, checked: bool = False) -> WeightUpdateReport:

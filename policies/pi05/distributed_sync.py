@@ -4,7 +4,7 @@ Every rank of `group` calls `broadcast_weights` with the same `src`, `expected` 
 also passes the source. Nothing is pickled: no object collectives, only tensor broadcasts and reductions,
 so it runs on gloo (CPU) and NCCL (GPU) alike.
 
-Protocol 4:
+Protocol 5:
 
 1. First message, int64[16384]: the header (magic, protocol, status, tensors, name bytes, payload bytes,
    bucket bytes, buckets, version (-1: none given), shape dims), then the manifest [name lengths | dtype codes |
@@ -22,12 +22,13 @@ Protocol 4:
    A receiver holds its policy's lock from the manifest to the end of its check, not while it waits for the
    message (under gloo, whose waits block the host, that includes receiving the windows it queued early).
 3. Buckets: the payload is laid out per dtype (one region per dtype, 16-byte aligned, tensors packed back to
-   back in manifest order inside it) and sent in windows of at most `bucket_bytes` that never cross a region.
+   back in manifest order inside it) and sent in windows of at most `bucket_bytes` that never cross a region and
+   end at tensor boundaries (a tensor larger than a bucket is cut into pieces, its last piece a window alone).
    A rank whose staging buffer for that dtype holds exactly the region's tensors in the same order (the usual
    case: the same model class on both sides, same dtype) receives the windows straight into that buffer, and
    reduces each window to its min and max as it lands; any other rank receives into a temporary window and
    stages the tensors from it (a tensor spanning windows is assembled first). Broadcasts are asynchronous:
-   rank src packs window w + 1 into the second of two send buffers while window w is on the wire.
+   rank src packs window w + 1 (one flatten of its tensors) while window w is on the wire, two at most in flight.
 4. One vote: each rank's completeness check runs on the host, its finiteness flag stays on the device
    (`weight_update_ok`, which also queues the weight-derived tables from the staged values) and is and-ed into
    all_reduce(MIN) of (ok, -version, 2 x failed rank + phase). Every rank commits with the same version (the
@@ -69,10 +70,11 @@ if TYPE_CHECKING:
     from .policy import Pi05Policy
 
 DEFAULT_BUCKET_BYTES = 256 << 20
-"""Payload bytes per broadcast. Rank src packs into two buffers of this size (one fills while the other is on
-the wire); a receiver whose staging buffers match the manifest needs none. Each window costs the receiver ~0.2-0.3
-ms of host time to queue (H200 host), about what 128 MiB take on the wire, so fewer, larger windows keep the
-link busy: expert + heads (1.1 GB) went 7.45 ms in 9 windows of 128 MiB vs 6.11 ms in 5 of 277 MB (6588222)."""
+"""Payload bytes per broadcast. Rank src holds at most two packed windows of this size (one packed while the
+other is on the wire); a receiver whose staging buffers match the manifest needs none. Each window costs the
+receiver ~0.2-0.3 ms of host time to queue (H200 host), about what 128 MiB take on the wire, so fewer, larger
+windows keep the link busy: expert + heads (1.1 GB) went 7.45 ms in 9 windows of 128 MiB vs 6.11 ms in 5 of
+277 MB (6588222)."""
 window_checks = True
 """Reduce each window received into a staging buffer as it lands (on a side stream); False: one reduction of the
 whole staging buffers after the last window (`weight_update_ok`). Benchmarks compare the two."""
@@ -401,8 +403,8 @@ def _first_message(
 class _WindowStream:
     """One rank's side of the bucket windows: packing and sending (rank src), receiving and staging (the others).
 
-    Broadcasts are queued asynchronously: on rank src the packing of window w + 1 (into the other of two send
-    buffers) runs while window w is on the wire. A window received into a staging buffer is not waited for by the
+    Broadcasts are queued asynchronously: on rank src the packing of window w + 1 runs while window w is on the
+    wire. A window received into a staging buffer is not waited for by the
     host: a side stream waits for it and reduces its values (min and max) for the finiteness check; on the current
     stream that reduction would hold back window w + 1 (a collective first waits for that stream). A temporary
     window is waited for at once (its tensors are staged from it). A rank that refused the manifest, or has no
@@ -421,7 +423,7 @@ class _WindowStream:
         packer: _Packer | None,
     ) -> None:
         self.policy, self.entries, self.windows = policy, entries, windows
-        self.src, self.group, self.dev, self.packer = src, group, dev, packer
+        self.dev, self.packer = dev, packer
         self.ok, self.refused, self.error = True, False, None
         self.works: list[tuple[Any, torch.Tensor]] = []  # (broadcast, its buffer), waited for before the vote
         self.bounds: dict[torch.dtype, torch.Tensor] = {}  # per dtype: [min; max] of each window received in staging
@@ -515,9 +517,13 @@ class _WindowStream:
             return target[0][lo - region : hi - region]
         if stage_here:
             return torch.empty(hi - lo, dtype=torch.uint8, device=self.dev)
-        if self.scratch is None:  # discarded: one buffer serves every window (broadcasts run in order)
+        return self._scratch(hi - lo)
+
+    def _scratch(self, nbytes: int) -> torch.Tensor:
+        """`nbytes` of one buffer that every discarded (or, after a failure, garbage) window shares."""
+        if self.scratch is None:  # broadcasts run in order, so one buffer serves them all
             self.scratch = torch.empty(self.widest, dtype=torch.uint8, device=self.dev)
-        return self.scratch[: hi - lo]
+        return self.scratch[:nbytes]
 
     def _pack(self, j: int, target: tuple[torch.Tensor, torch.dtype] | None) -> torch.Tensor:
         """Rank src: window j's bytes, packed once the window two before it has left (at most two in flight).
@@ -540,9 +546,7 @@ class _WindowStream:
             except Exception as err:  # keep broadcasting (garbage) so nobody hangs; the vote aborts
                 self.fail(err)
         if data is None:
-            if self.scratch is None:
-                self.scratch = torch.empty(self.widest, dtype=torch.uint8, device=self.dev)
-            data = self.scratch[: hi - lo]
+            data = self._scratch(hi - lo)
         if target is None:
             return data
         buf = target[0][lo - region : hi - region]

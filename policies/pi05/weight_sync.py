@@ -733,12 +733,9 @@ class WeightSyncMixin:
         with self._lock:
             layout = None
             if self._weight_update is None and not getattr(self, "_closed", False):
-                for plan in (self._sync_plans or {}).values():
-                    if plan.kept is not None:
-                        layout = plan.kept
-                        if self._commit_event is not None:
-                            torch.cuda.current_stream(self.device).wait_event(self._commit_event)
-                        break
+                layout = next((kept for plan in (self._sync_plans or {}).values() if (kept := plan.kept)), None)
+                if layout is not None and self._commit_event is not None:
+                    torch.cuda.current_stream(self.device).wait_event(self._commit_event)
             yield layout
 
     def mark_staged(self, names: Sequence[str]) -> None:

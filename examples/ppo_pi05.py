@@ -5,6 +5,11 @@ Two copies of the policy: the ROLLOUT policy acts in the envs (CUDA graphs on a 
 optimizer steps. After every update the rollout policy receives the trainer's trainable weights through
 the weight-sync hook (`policy.sync_weights(trainer.model)`), and its weight version goes up by one.
 
+The trainer computes in the rollout's precision (bf16 blocks, fp32 islands) and the optimizer steps float32
+master weights (`MasterWeights`), so update 0 has ratio 1 up to batch-shape rounding (`--trainer-dtype float32`
+computes in float32 instead). With the prefix frozen (`--trainable expert`) the rollout keeps its prefix K/V
+for the update (`RolloutConfig.keep_prefix`): no epoch or minibatch recomputes the vision tower or the LM.
+
 One MDP step is one action chunk (C env steps, rewards summed, RLinf's chunk-level setting). Truncated
 episodes are bootstrapped with the critic on their final observation (``infos["policy"]["final_value"]``).
 
@@ -27,8 +32,8 @@ import numpy as np
 import torch
 
 from phyai_gym.make import make_env, make_policy
-from policies.base import PolicyOutput
-from policies.pi05.inputs import ModelInputs
+from policies.master_weights import MasterWeights
+from policies.pi05.batch import RolloutBatch
 from policies.pi05.policy import RolloutConfig
 from wrappers import PolicyVectorEnv
 
@@ -50,6 +55,8 @@ class Args:
     """processor preset of the checkpoint"""
     trainable: str = "expert"
     """"expert" (action expert, projections, heads) or "all" """
+    trainer_dtype: str | None = None
+    """compute dtype of the trainer copy (None: the rollout's, with float32 master weights; or "float32")"""
     method: str = "sde"
     """rollout noise: "sde" (flow-SDE) or "noise" (learned noise head)"""
     joint: bool = True
@@ -160,6 +167,7 @@ def train(args: Args) -> dict:
         noise_level=args.noise_level,
         action_chunk=args.action_chunk,
         trainable=args.trainable,
+        keep_prefix=args.trainable == "expert" and args.trainer_dtype is None,  # the update reuses the prefix K/V
     )
     policy_kwargs = dict(
         preset=args.preset, config=args.config, action_dim=action_dim, device=args.device, seed=args.seed,
@@ -169,27 +177,20 @@ def train(args: Args) -> dict:
         policy_kwargs["prompt_format"] = "state"  # the state (the target) enters the prompt as bins
     policy = make_policy(args.checkpoint, **policy_kwargs)
     trainer_kwargs = {**policy_kwargs, "max_batch_size": args.minibatch_size, "cuda_graphs": False}
-    if args.config == "base" and device.type == "cuda":
-        trainer_kwargs["dtype"] = "float32"  # fp32 master weights; the sync casts to the rollout dtype
+    if args.trainer_dtype is not None:
+        trainer_kwargs["dtype"] = args.trainer_dtype
     trainer = make_policy(args.checkpoint, **trainer_kwargs)
     policy.sync_weights(trainer.model, expected="all")  # start from identical weights (version 1)
-    optimizer = torch.optim.Adam([p for _, p in trainer.trainable_parameters()], lr=args.learning_rate, eps=1e-5)
+    master = MasterWeights(p for _, p in trainer.trainable_parameters())  # float32 weights the optimizer steps
+    optimizer = torch.optim.Adam(master.parameters(), lr=args.learning_rate, eps=1e-5)
     envs = PolicyVectorEnv(raw_env, policy, action_chunk=args.action_chunk)
 
-    # ---- storage: (T, N, ...) preallocated -------------------------------------------------------
+    # ---- storage: (T, N) scalars preallocated; the T calls' samples (inputs, chains, prefix K/V) ----------
     T, N = args.num_steps, args.num_envs  # noqa: N806  (the math's names)
-    K, H, D = args.denoise_steps, policy.action_horizon, policy.config.action_dim  # noqa: N806
-    cams, S, L = len(policy.processor.slots), policy.config.vision.image_size, policy.config.max_token_len  # noqa: N806
     log_probs = torch.zeros((T, N), device=device)
     rewards = torch.zeros((T, N), device=device)
     dones = torch.zeros((T, N), device=device)
     values = torch.zeros((T, N), device=device)
-    chains = torch.zeros((T, N, K + 1, H, D), device=device)  # the sampled denoise path x_0 .. x_K
-    denoise_inds = torch.zeros((T, N, K), dtype=torch.int64, device=device)
-    images = torch.zeros((T, N, cams, 3, S, S), dtype=torch.uint8, device=device)
-    image_mask = torch.zeros((T, N, cams), dtype=torch.bool, device=device)
-    tokens = torch.zeros((T, N, L), dtype=torch.int32, device=device)
-    lengths = torch.zeros((T, N), dtype=torch.int32, device=device)
 
     # ---- start the game ----------------------------------------------------------------------------
     global_step = 0
@@ -203,7 +204,7 @@ def train(args: Args) -> dict:
 
         # ---- rollout: T chunks per env with the rollout policy ---------------------------------------
         t0 = time.perf_counter()
-        returns_done, successes = [], []
+        returns_done, successes, samples = [], [], []
         with torch.no_grad():
             for step in range(T):
                 obs, reward, terminated, truncated, infos = envs.step()  # the policy acts on `obs`
@@ -211,12 +212,7 @@ def train(args: Args) -> dict:
                 global_step += N * args.action_chunk
                 log_probs[step] = out.log_prob
                 values[step] = out.values
-                chains[step] = out.chains
-                denoise_inds[step] = out.denoise_inds
-                images[step], image_mask[step] = out.inputs.images, out.inputs.image_mask
-                tokens[step].zero_()
-                tokens[step, :, : out.inputs.tokens.shape[1]] = out.inputs.tokens
-                lengths[step] = out.inputs.lengths
+                samples.append(RolloutBatch.from_output(out))
                 # bootstrap truncations with V(final obs): r + gamma * V(s_T), then treat the step as done
                 final_value = infos["policy"]["final_value"].to(device)
                 trunc = torch.as_tensor(truncated, device=device) & ~torch.as_tensor(terminated, device=device)
@@ -237,20 +233,14 @@ def train(args: Args) -> dict:
                 delta = rewards[t] + args.gamma * next_values * not_done - values[t]
                 advantages[t] = last_gae = delta + args.gamma * args.gae_lambda * not_done * last_gae
             returns = advantages + values
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
         times["rollout"] += (t_rollout := time.perf_counter() - t0)
 
-        # ---- flatten the batch ---------------------------------------------------------------------
+        # ---- flatten the batch (step-major, as the (T, N) tensors) -------------------------------------
         b_log_probs, b_values = log_probs.reshape(-1), values.reshape(-1)
         b_advantages, b_returns = advantages.reshape(-1), returns.reshape(-1)
-        b_chains, b_inds = chains.reshape(-1, K + 1, H, D), denoise_inds.reshape(-1, K)
-        used_len = int(lengths.max())
-        b_inputs = ModelInputs(
-            images=images.reshape(-1, cams, 3, S, S),
-            image_mask=image_mask.reshape(-1, cams),
-            slots=out.inputs.slots,
-            tokens=tokens.reshape(-1, L)[:, :used_len],
-            lengths=lengths.reshape(-1),
-        )
+        b_samples = RolloutBatch.cat(samples)
 
         # ---- optimise policy and value network (the trainer copy) ------------------------------------
         t0 = time.perf_counter()
@@ -260,17 +250,7 @@ def train(args: Args) -> dict:
             np.random.shuffle(b_idx)
             for start in range(0, args.batch_size, args.minibatch_size):
                 mb = torch.as_tensor(b_idx[start : start + args.minibatch_size], device=device)
-                batch = PolicyOutput(
-                    actions=b_chains[mb, -1],
-                    log_prob=b_log_probs[mb],
-                    log_prob_elements=b_log_probs[mb, None, None],
-                    values=b_values[mb],
-                    chains=b_chains[mb],
-                    denoise_inds=b_inds[mb],
-                    inputs=b_inputs.select(mb),
-                    header=out.header,
-                )
-                new = trainer.evaluate(batch)  # differentiable log-probs and values
+                new = trainer.evaluate(b_samples.select(mb))  # differentiable log-probs and values
                 log_ratio = new.log_prob - b_log_probs[mb]
                 ratio = log_ratio.exp()
                 with torch.no_grad():
@@ -301,11 +281,15 @@ def train(args: Args) -> dict:
 
                 optimizer.zero_grad()
                 loss.backward()
-                torch.nn.utils.clip_grad_norm_([p for _, p in trainer.trainable_parameters()], args.max_grad_norm)
+                master.grads_to_masters()  # float32 gradients of the float32 master weights
+                torch.nn.utils.clip_grad_norm_(master.parameters(), args.max_grad_norm)
                 optimizer.step()
+                master.masters_to_model()  # the trainer computes with the updated weights, rounded
 
             if args.target_kl is not None and approx_kl > args.target_kl:
                 break
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
         times["train"] += (t_train := time.perf_counter() - t0)
 
         # ---- weight sync: trainer -> rollout policy (in place, graphs stay valid) --------------------

@@ -59,6 +59,7 @@ class PolicyOutput:
         denoise_inds: (N, K) int64 stochastic step indices (-1 = deterministic step), or None.
         inputs: model inputs needed by `evaluate()` (uint8 images, token ids, masks), or None.
         header: the settings the call used.
+        prefix: the prefix K/V the call computed, kept for `evaluate()` when the policy is asked to, or None.
     """
 
     actions: torch.Tensor
@@ -70,6 +71,7 @@ class PolicyOutput:
     denoise_inds: torch.Tensor | None = None
     inputs: Any = None
     header: RolloutHeader = field(default_factory=RolloutHeader)
+    prefix: Any = None
 
     def as_info(self) -> dict[str, torch.Tensor]:
         """The (N, ...) tensors the vector wrapper reports in ``infos["policy"]``."""

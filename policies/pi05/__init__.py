@@ -1,6 +1,7 @@
 """PI0.5: config, model, checkpoints, processor, rollout sampling, CUDA-graph scheduler, weight sync, policy."""
 
 from policies.pi05.attention import AttentionConfig
+from policies.pi05.batch import RolloutBatch, StoredPrefix
 from policies.pi05.checkpoint import CheckpointError, LoadReport
 from policies.pi05.config import GemmaConfig, Pi05Config, SiglipConfig
 from policies.pi05.evaluate import EvalOutput
@@ -28,10 +29,12 @@ __all__ = [
     "Pi05Processor",
     "Preset",
     "ProcessorConfig",
+    "RolloutBatch",
     "RolloutConfig",
     "SamplingOptions",
     "SchedulerConfig",
     "SiglipConfig",
+    "StoredPrefix",
     "WeightSyncError",
     "WeightUpdateReport",
     "get_preset",

@@ -9,8 +9,9 @@ There the fused attention kernels launch one tile of queries per (batch, head) a
 sequentially (about 56 us per call at batch 1 on an H200, most of the denoise time). Folding the query heads
 that share the K/V head into rows makes attention two batched GEMMs and a softmax over (B, Nh*T, S) scores:
 float32 scores (bf16 operands, float32 accumulation and output on CUDA), float32 softmax, probabilities cast
-to the value dtype for the second GEMM. Where it does not apply (several K/V heads, autograd, very large score
-tensors) it falls back to SDPA.
+to the value dtype for the second GEMM. Where it does not apply (several K/V heads, very large score tensors outside
+autograd) it falls back to SDPA. Under autograd (the PPO trainer's `evaluate()`) it always serves, with operands
+upcast to float32 (exact for bf16 values), so the trainer computes its scores as the rollout's graphs do.
 
 Query rows of padded tokens are never read downstream; the additive mask uses a large *finite* negative
 (-2.3819763e38, as openpi/LeRobot) so such rows stay finite (uniform attention) instead of NaN.
@@ -86,9 +87,12 @@ per call, SDPA vs gemm): 407k scores 56 vs 24 us, 2.9M 161 vs 64 us, 3.3M 58 vs 
 _OUT_DTYPE_OK: dict[str, bool] = {}  # device type -> whether bmm/baddbmm accept out_dtype for half operands
 
 
-def _scores_fp32(q: torch.Tensor, kt: torch.Tensor, mask: torch.Tensor, scale: float) -> torch.Tensor:
-    """Scores `mask + scale * q @ kt` in float32: half operands with float32 output where the device supports it."""
-    if q.dtype in (torch.float16, torch.bfloat16) and _OUT_DTYPE_OK.get(q.device.type, q.is_cuda):
+def _scores_fp32(q: torch.Tensor, kt: torch.Tensor, mask: torch.Tensor, scale: float, grad: bool) -> torch.Tensor:
+    """Scores `mask + scale * q @ kt` in float32.
+
+    Half operands with float32 output where the device supports it (outside autograd), else operands upcast.
+    """
+    if not grad and q.dtype in (torch.float16, torch.bfloat16) and _OUT_DTYPE_OK.get(q.device.type, q.is_cuda):
         try:
             return torch.baddbmm(mask, q, kt, alpha=scale, out_dtype=torch.float32)
         except (RuntimeError, TypeError, NotImplementedError):
@@ -101,9 +105,10 @@ def gemm_serves(batch: int, heads: int, kv_heads: int, queries: int, keys: int, 
     """Whether the "gemm" backend computes a call of this shape itself (else it hands it to SDPA).
 
     Callers that prebuild an additive mask use it to build the mask in the dtype the serving path adds it in
-    (float32 for "gemm", the compute dtype for SDPA), so no per-call conversion runs.
+    (float32 for "gemm", the compute dtype for SDPA), so no per-call conversion runs. Under autograd (`grad`) it
+    serves every size.
     """
-    return kv_heads == 1 and not grad and batch * heads * queries * keys <= GEMM_MAX_SCORES
+    return kv_heads == 1 and (grad or batch * heads * queries * keys <= GEMM_MAX_SCORES)
 
 
 def _gemm(q, k, v, key_mask, scale):
@@ -122,7 +127,7 @@ def _gemm(q, k, v, key_mask, scale):
         mask = additive_mask(key_mask, torch.float32)[:, 0]
     else:
         mask = key_mask.reshape(key_mask.shape[0], 1, s).float()  # (B or 1, 1, S); expanded below
-    scores = _scores_fp32(rows, k[:, 0].transpose(1, 2), mask.expand(b, rows.shape[1], s), scale)
+    scores = _scores_fp32(rows, k[:, 0].transpose(1, 2), mask.expand(b, rows.shape[1], s), scale, needs_grad)
     out = torch.bmm(torch.softmax(scores, dim=-1).to(v.dtype), v[:, 0])  # (B, rows, hd)
     if token_major:
         return out.view(b, t, n, hd).transpose(1, 2)

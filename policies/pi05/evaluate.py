@@ -1,10 +1,16 @@
-"""Differentiable re-evaluation of stored rollouts for PPO: log-probs, values and entropy (DESIGN C4-C5).
+"""Differentiable re-evaluation of stored rollouts for PPO: log-probs, values and entropy (DESIGN C4, C5, C9).
 
-From what a rollout stored (uint8 images, tokens, the fp32 chain, denoise indices, header) this recomputes
-the transition log-probs of the executed steps with gradients through the trainable parameters:
-  non-joint SDE : one expert pass per env at its step j (x_j -> x_{j+1}); values from step j (suffix source)
-  joint / noise : all K transitions plus log N(x_0; 0, I), averaged over the K+1 rows; values averaged
-Frozen parts (the VLM prefix by default) run without autograd.
+From what a rollout stored (uint8 images, tokens, the fp32 chain, denoise indices, header) this recomputes the
+transition log-probs of the executed steps with gradients through the trainable parameters:
+  non-joint SDE : one expert row per env at its step j (x_j -> x_{j+1}); values from step j (suffix source)
+  joint / noise : K rows per env plus log N(x_0; 0, I), averaged over the K+1 terms; values averaged
+All rows go through the expert in ONE pass (B x K rows for the joint methods, each with its own t_i): the stored
+chain fixes every x_i, so the K steps are independent given it, and one pass launches K times fewer kernels.
+
+It computes what the rollout computed, in the rollout's precision: the adaRMS modulations from the same batched
+table cast to the compute dtype, the fused [q;k;v] / [gate;up] GEMMs, the "gemm" attention math and the
+single-rounding GeGLU. The frozen prefix (trainable = "expert") is never differentiated: it comes from the
+rollout's own K/V when the batch kept them (`RolloutConfig.keep_prefix`), else it is recomputed without autograd.
 """
 
 from __future__ import annotations
@@ -14,9 +20,9 @@ from dataclasses import dataclass
 
 import torch
 
-from .inputs import ModelInputs
-from .model import Pi05Model
-from .rollout import prefix_values, run_prefix_stage
+from .batch import RolloutBatch
+from .model import Pi05Model, PrefixCache
+from .rollout import run_prefix_stage
 from .sampler import NO_NOISE_HEAD, SamplingOptions, StepTables, gaussian_log_prob, transition
 
 
@@ -37,70 +43,89 @@ class EvalOutput:
     entropy: torch.Tensor
 
 
-def evaluate_rollout(
-    model: Pi05Model,
-    inputs: ModelInputs,
-    chains: torch.Tensor,
-    denoise_inds: torch.Tensor,
-    opts: SamplingOptions,
-    train_prefix: bool,
-) -> EvalOutput:
-    """Recompute log-probs / values / entropy for stored chains (B, K+1, H, D)."""
+def _rows(opts: SamplingOptions, denoise_inds: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """(sample index, step index) of every expert row: (b, j_b) for non-joint SDE, else (b, i) for i < K."""
+    b = denoise_inds.shape[0]
+    dev = denoise_inds.device
+    if opts.method == "sde" and not opts.is_joint:
+        return torch.arange(b, device=dev), denoise_inds[:, 0].long()
+    return torch.arange(b, device=dev).repeat_interleave(k), torch.arange(k, device=dev).repeat(b)
+
+
+def _expand(cache: PrefixCache, rows: torch.Tensor) -> PrefixCache:
+    """The cache's rows `rows` (one per expert row)."""
+    return PrefixCache(
+        keys=[k.index_select(0, rows) for k in cache.keys],
+        values=[v.index_select(0, rows) for v in cache.values],
+        key_mask=cache.key_mask.index_select(0, rows),
+        num_valid=cache.num_valid.index_select(0, rows),
+    )
+
+
+def evaluate_rollout(model: Pi05Model, batch: RolloutBatch, opts: SamplingOptions, train_prefix: bool) -> EvalOutput:
+    """Recompute log-probs / values / entropy for the stored chains (B, K+1, H, D) of `batch`."""
     if opts.method == "noise" and model.noise_head is None:
         raise ValueError(NO_NOISE_HEAD)
-    k = opts.num_steps
+    chains, k = batch.chains, opts.num_steps
     c, a = opts.action_chunk, opts.action_dim
-    tables = StepTables.build(k, chains.device)
-    with torch.set_grad_enabled(train_prefix and torch.is_grad_enabled()):
-        cache = run_prefix_stage(model, inputs.images, inputs.image_mask, inputs.tokens, inputs.lengths)
-    chunk_pool = model.config.value_source == "suffix" and model.config.value_chunk_only
-    pooled_len = min(c, chains.shape[2]) if chunk_pool else None
-    b = chains.shape[0]
-    dtype = chains.dtype
-    sigmas = tables.sigmas(opts.noise_level).to(dtype)
-    times, deltas = tables.times.to(dtype), tables.deltas.to(dtype)
+    b, dtype, dev = chains.shape[0], chains.dtype, chains.device
 
-    def step(x: torch.Tensor, t: torch.Tensor):
-        out = model.expert_step(cache, x, model.modulations(model.time_condition(t)))
-        return model.velocity(out).to(dtype), out.to(dtype)
-
-    one = torch.ones((), dtype=dtype, device=chains.device)
-    sde_on = one * float(opts.method == "sde")
-    noise_on = one * float(opts.method == "noise")
-    suffix_values = []
-    entropies = []
-    if opts.method == "sde" and not opts.is_joint:
-        j = denoise_inds[:, 0].long()
-        rows = torch.arange(b, device=chains.device)
-        x, x_next = chains[rows, j], chains[rows, j + 1]
-        t = times[j]
-        v, out = step(x, t)
-        bc = lambda z: z[:, None, None]
-        mean, std = transition(x, v, bc(t), bc(deltas[j]), bc(sigmas[j]), one, sde_on, noise_on, None)
-        lp = gaussian_log_prob(x_next, mean, std)
-        suffix_values.append(out)
+    # ---- prefix: the rollout's K/V, or recomputed (differentiable only when it is trained) ----------------------
+    if batch.prefix is not None and not train_prefix:
+        cache, pooled = batch.prefix.cache(), batch.prefix.pooled
     else:
-        lp = torch.zeros_like(chains[:, 0])
-        if opts.is_joint:
-            x0 = chains[:, 0]
-            lp = gaussian_log_prob(x0, torch.zeros_like(x0), torch.ones_like(x0))
-        stochastic = one * float(opts.method != "ode")
+        inputs = batch.inputs
+        with torch.set_grad_enabled(train_prefix and torch.is_grad_enabled()):
+            cache = run_prefix_stage(model, inputs.images, inputs.image_mask, inputs.tokens, inputs.lengths)
+            pooled = model.prefix_pooled(cache) if cache.output is not None else None
+
+    # ---- one expert pass over every (sample, step) row ---------------------------------------------------------
+    rows_b, rows_i = _rows(opts, batch.denoise_inds, k)
+    steps = StepTables.build(k, dev)
+    cond = model.time_condition(steps.times[:-1])  # (K, We), as the rollout tables
+    table = model.modulation_table(cond).to(model.compute_dtype)  # (n_norms, K, 3We), the rollout's step table
+    mods = [tuple(m[:, None].chunk(3, dim=-1)) for m in table.index_select(1, rows_i)]  # (R, 1, We) x 3 per norm
+    x = chains[rows_b, rows_i]  # (R, H, D)
+    row_cache = _expand(cache, rows_b) if rows_b.shape[0] != b else cache
+    out = model.expert_step(row_cache, x, mods, fused=model.fused_weights())  # (R, H, We) float32
+    v = model.velocity(out).to(dtype)
+    learned = model.noise_head(out).to(dtype) if opts.method == "noise" else None
+
+    one = torch.ones((), dtype=dtype, device=dev)
+    sigmas = steps.sigmas(opts.noise_level).to(dtype)
+    bc = lambda z: z.to(dtype)[rows_i][:, None, None]
+    stochastic = one * float(opts.method != "ode")
+    sde_on, noise_on = one * float(opts.method == "sde"), one * float(opts.method == "noise")
+    mean, std = transition(
+        x, v, bc(steps.times[:-1]), bc(steps.deltas), bc(sigmas), stochastic, sde_on, noise_on, learned
+    )
+    lp_rows = gaussian_log_prob(chains[rows_b, rows_i + 1], mean, std)  # (R, H, D)
+
+    # ---- per sample: the rollout's accumulation (C4) -------------------------------------------------------------
+    if opts.is_joint:
+        w = 1.0 / (k + 1)
+        x0 = chains[:, 0]
+        lp = w * gaussian_log_prob(x0, torch.zeros_like(x0), torch.ones_like(x0))
+        per_step = lp_rows.view(b, k, *lp_rows.shape[1:])
         for i in range(k):
-            x = chains[:, i]
-            v, out = step(x, times[i].expand(b))
-            learned = model.noise_head(out) if (opts.method == "noise" and model.noise_head is not None) else None
-            mean, std = transition(x, v, times[i], deltas[i], sigmas[i], stochastic, sde_on, noise_on, learned)
-            lp = lp + gaussian_log_prob(chains[:, i + 1], mean, std)
-            suffix_values.append(out)
-            if learned is not None:
-                entropies.append(0.5 * torch.log(2.0 * math.pi * math.e * learned[:, :c, :a] ** 2).mean(dim=(1, 2)))
-        if opts.is_joint:
-            lp = lp / (k + 1)
-    elements = lp[:, :c, :a]
-    if model.config.value_source == "suffix" and model.value_head is not None:
-        values = torch.stack([model.suffix_value(o, pooled_len) for o in suffix_values]).mean(dim=0)
+            lp = lp + w * per_step[:, i]
+    elif opts.method == "ode":  # every step deterministic: log-probs 0
+        lp = lp_rows.view(b, k, *lp_rows.shape[1:]).sum(dim=1)
     else:
-        pv = prefix_values(model, cache)
-        values = pv if pv is not None else torch.zeros(b, dtype=dtype, device=chains.device)
-    entropy = torch.stack(entropies).mean(dim=0) if entropies else torch.zeros(b, dtype=dtype, device=chains.device)
+        lp = lp_rows
+    elements = lp[:, :c, :a]
+
+    if model.config.value_source == "suffix" and model.value_head is not None:
+        chunk_pool = model.config.value_chunk_only
+        values = model.suffix_value(out, min(c, chains.shape[2]) if chunk_pool else None)
+        values = values.view(b, -1).mean(dim=1)
+    elif model.value_head is not None and pooled is not None:
+        values = model.value_head(pooled)
+    else:
+        values = torch.zeros(b, dtype=dtype, device=dev)
+    if learned is not None:
+        entropy = 0.5 * torch.log(2.0 * math.pi * math.e * learned[:, :c, :a] ** 2).mean(dim=(1, 2))
+        entropy = entropy.view(b, -1).mean(dim=1)
+    else:
+        entropy = torch.zeros(b, dtype=dtype, device=dev)
     return EvalOutput(elements, elements.sum(dim=(1, 2)), values.to(dtype), entropy)

@@ -74,4 +74,6 @@ def geglu(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
             grid = (g.shape[0], triton.cdiv(cols, _BLOCK))
             _geglu_kernel[grid](g, u, o, cols, g.stride(0), u.stride(0), o.stride(0), BLOCK=_BLOCK, num_warps=4)
             return out
+    if gate.dtype in (torch.bfloat16, torch.float16):  # float32 math, one rounding: what the kernel computes
+        return (F.gelu(gate.float(), approximate="tanh") * up.float()).to(gate.dtype)
     return F.gelu(gate, approximate="tanh") * up

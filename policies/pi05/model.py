@@ -283,13 +283,50 @@ class Pi05Model(nn.Module):
         """(B, We) condition -> one (scale, shift, gate) per adaRMS norm (2 per layer, then the final norm)."""
         return [norm.modulation(cond) for norm in self.expert.adaptive_norms()]
 
+    def modulation_table(
+        self,
+        cond: torch.Tensor,
+        weights: list[torch.Tensor] | None = None,
+        biases: list[torch.Tensor] | None = None,
+    ) -> torch.Tensor:
+        """(K, We) conditions -> (n_norms, K, 3We) float32 [1 + scale | shift | gate] of every adaRMS norm.
+
+        Every norm's Dense runs in one GEMM (the rollout tables and the trainer compute it the same way);
+        differentiable. `weights` / `biases` replace the Denses' parameters (a weight update's staged values).
+        """
+        norms = self.expert.adaptive_norms()
+        weights = weights or [n.dense.weight for n in norms]
+        biases = biases or [n.dense.bias for n in norms]
+        if len({t.dtype for t in weights + biases}) != 1 or cond.dtype != upcast(weights[0]).dtype:
+            mods = [n.modulation(cond, w, b) for n, w, b in zip(norms, weights, biases)]  # 3 x (K, 1, We) each
+            return torch.stack([torch.cat(m, dim=-1)[:, 0] for m in mods])
+        width = weights[0].shape[1]
+        m = F.linear(cond, upcast(torch.cat(weights)), upcast(torch.cat(biases)))
+        m = m.view(cond.shape[0], len(norms), 3 * width).transpose(0, 1)
+        one = torch.zeros(3 * width, dtype=m.dtype, device=m.device)
+        one[:width] = 1.0
+        return (m + one).contiguous()  # [1 + scale | shift | gate], as `AdaRMSNorm.modulation`
+
+    def fused_weights(self) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        """[q;k;v] and [gate;up] of every expert layer, concatenated from the parameters (differentiable).
+
+        The trainer's `evaluate()` passes these to `expert_step` so that it runs the rollout's fused GEMMs.
+        """
+        return [(layer.self_attn.fused_weight(), layer.mlp.fused_weight()) for layer in self.expert.layers]
+
     def expert_step(
-        self, cache: PrefixCache, x_t: torch.Tensor, mods: list[Modulation], use_fused: bool = False
+        self,
+        cache: PrefixCache,
+        x_t: torch.Tensor,
+        mods: list[Modulation],
+        use_fused: bool = False,
+        fused: list[tuple[torch.Tensor, torch.Tensor]] | None = None,
     ) -> torch.Tensor:
         """One expert pass at the noisy actions x_t (B, H, D) -> final-norm output (B, H, We) float32.
 
         `use_fused` reads the fused [q;k;v] / [gate;up] copies (the scheduler's rollout path, which refreshes them
-        with its tables after every weight commit); every other caller reads the parameters themselves.
+        with its tables after every weight commit); `fused` passes such weights explicitly (`fused_weights()`,
+        the trainer); every other caller reads the parameters themselves.
         """
         cfg = self.config.expert
         b, h, _ = x_t.shape
@@ -306,9 +343,10 @@ class Pi05Model(nn.Module):
         cos, sin = cache.suffix_rope
         key_mask = cache.suffix_mask
         scale = cfg.head_dim**-0.5
-        use_fused = use_fused and self._fused_usable(x)
+        if fused is None and use_fused and self._fused_usable(x):
+            fused = self.fused_expert
         for i, layer in enumerate(self.expert.layers):
-            fused_qkv, fused_mlp = self.fused_expert[i] if use_fused else (None, None)  # type: ignore[index]
+            fused_qkv, fused_mlp = fused[i] if fused is not None else (None, None)
             hidden, gate = layer.input_layernorm(x, mods[2 * i])
             q, k, v = layer.self_attn.qkv(hidden, cos, sin, fused=fused_qkv)
             if cache.suffix_offset is None:
@@ -329,13 +367,17 @@ class Pi05Model(nn.Module):
         return self.action_out_proj(upcast(suffix_out))
 
     # ------------------------------------------------------------------------------------------ heads
-    def prefix_value(self, cache: PrefixCache) -> torch.Tensor:
-        """Critic on the mean LM output over valid prefix tokens -> (B,)."""
-        assert cache.output is not None and self.value_head is not None
+    def prefix_pooled(self, cache: PrefixCache) -> torch.Tensor:
+        """Mean LM output over valid prefix tokens -> (B, W) float32, the prefix value source's input."""
+        assert cache.output is not None
         output = upcast(cache.output)
         w = cache.key_mask.to(output.dtype)[..., None]
-        pooled = (output * w).sum(dim=1) / w.sum(dim=1).clamp_min(1.0)
-        return self.value_head(pooled)
+        return (output * w).sum(dim=1) / w.sum(dim=1).clamp_min(1.0)
+
+    def prefix_value(self, cache: PrefixCache) -> torch.Tensor:
+        """Critic on the mean LM output over valid prefix tokens -> (B,)."""
+        assert self.value_head is not None
+        return self.value_head(self.prefix_pooled(cache))
 
     def suffix_value(self, suffix_out: torch.Tensor, positions: int | None = None) -> torch.Tensor:
         """Critic on the expert output pooled over the first `positions` (default all H) tokens -> (B,)."""

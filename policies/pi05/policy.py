@@ -19,11 +19,14 @@ import torch
 from ..base import PolicyOutput, RolloutHeader
 from ..rng import StreamTable
 from .attention import AttentionConfig
+from .batch import RolloutBatch, StoredPrefix
 from .checkpoint import LoadReport, load_config, load_weights, save_weights
 from .config import Pi05Config
 from .evaluate import EvalOutput, evaluate_rollout
 from .inputs import ModelInputs
 from .model import Pi05Model, randomize_parameters_, torch_dtype
+from .prompt import DEFAULT_BUCKETS
+from .rollout import run_prefix_stage
 from .sampler import METHODS, SamplingOptions
 from .scheduler import Pi05Scheduler, SchedulerConfig
 from .weight_sync import WeightSyncMixin
@@ -42,6 +45,8 @@ class RolloutConfig:
         ignore_last: never choose the last step as the stochastic one.
         action_chunk: C, env steps executed per call.
         trainable: "expert" (expert, action/time projections and heads; RLinf's default) or "all".
+        keep_prefix: every `act()` output carries a copy of the prefix K/V (`PolicyOutput.prefix`), so that a PPO
+            trainer whose prefix is frozen never recomputes it (about 10 MB per sample in the LIBERO RL setting).
     """
 
     method: str = "sde"
@@ -52,6 +57,7 @@ class RolloutConfig:
     ignore_last: bool = False
     action_chunk: int = 5
     trainable: str = "expert"
+    keep_prefix: bool = False
 
     def __post_init__(self) -> None:
         if self.trainable not in ("expert", "all"):
@@ -94,7 +100,7 @@ class Pi05Policy(WeightSyncMixin):
                 max_batch_size=64,
                 num_steps=(self.rollout.num_steps,),
                 camera_sets=(tuple(processor.slots),),
-                prompt_buckets=tuple(getattr(processor, "prompt_buckets", (16, 48, 112, 200))),
+                prompt_buckets=tuple(getattr(processor, "prompt_buckets", DEFAULT_BUCKETS)),
             )
         if self.rollout.num_steps not in scheduler.num_steps:
             raise ValueError(
@@ -308,7 +314,7 @@ class Pi05Policy(WeightSyncMixin):
         with self._lock:
             seeds_t, counters, commit_streams = self._streams(inputs.batch_size, seeds, env_ids)
             with self._weights_in_use():  # weight sync (C6): ordered after the last commit, before the next
-                out, inds = self.scheduler.rollout(inputs, seeds_t, counters, opts)
+                out, inds = self.scheduler.rollout(inputs, seeds_t, counters, opts, self.rollout.keep_prefix)
             commit_streams()
             model_actions = out.chain[:, -1]
             actions = self.processor.postprocess(model_actions, opts.action_chunk)
@@ -323,6 +329,7 @@ class Pi05Policy(WeightSyncMixin):
                 denoise_inds=inds,
                 inputs=inputs,
                 header=self.header(opts),
+                prefix=out.prefix,
             )
 
     def act(
@@ -362,19 +369,19 @@ class Pi05Policy(WeightSyncMixin):
             return out.values
 
     # -------------------------------------------------------------------------------------- evaluate
-    def evaluate(self, batch: PolicyOutput) -> EvalOutput:
+    def evaluate(self, batch: RolloutBatch | PolicyOutput) -> EvalOutput:
         """Differentiable log-probs, values and entropy of a stored rollout batch (for the PPO ratio).
 
-        The batch's header must match this policy's settings (method, K, a, C, A, value source, joint);
-        the weight version may differ (that is the point of the ratio).
+        `batch` is a `RolloutBatch` (e.g. ``RolloutBatch.cat(...)`` of a rollout's calls, then ``.select(mb)``)
+        or one `act()` output. Its header must match this policy's settings (method, K, a, C, A, value source,
+        joint); the weight version may differ (that is the point of the ratio). A batch that kept the prefix K/V
+        is not recomputed there unless the prefix is trainable.
         """
-        if not isinstance(batch, PolicyOutput):
-            raise TypeError(f"evaluate(batch): expected a PolicyOutput from act(), got {type(batch).__name__}.")
-        lacking = [name for name in ("chains", "denoise_inds", "inputs") if getattr(batch, name) is None]
-        if lacking:
-            raise ValueError(
-                f"evaluate(batch): expected a batch with chains, denoise_inds and inputs (what act() returns), got "
-                f"None for {lacking}; pass act() outputs."
+        if isinstance(batch, PolicyOutput):
+            batch = RolloutBatch.from_output(batch)
+        if not isinstance(batch, RolloutBatch):
+            raise TypeError(
+                f"evaluate(batch): expected a RolloutBatch or a PolicyOutput from act(), got {type(batch).__name__}."
             )
         h = batch.header
         opts = SamplingOptions(
@@ -401,15 +408,43 @@ class Pi05Policy(WeightSyncMixin):
                     f"evaluate(batch): header {name} is {got!r} but this policy uses {want!r}; evaluate with "
                     "the settings the rollout used (or re-collect the batch)."
                 )
-        with self._weights_in_use():  # weight sync (C6): no commit interleaves with this forward
-            return evaluate_rollout(
-                self.model,
-                batch.inputs,
-                batch.chains,
-                batch.denoise_inds,
-                opts,
-                train_prefix=self.rollout.trainable == "all",
+        if batch.prefix is not None and batch.prefix.kv.dtype != self.model.compute_dtype:
+            raise ValueError(
+                f"evaluate(batch): the batch's prefix K/V are {batch.prefix.kv.dtype} but this model computes in "
+                f"{self.model.compute_dtype}; build the trainer in the rollout's dtype (the default) or drop the "
+                "prefix (batch.prefix = None) to recompute it."
             )
+        with self._weights_in_use():  # weight sync (C6): no commit interleaves with this forward
+            return evaluate_rollout(self.model, batch, opts, train_prefix=self.rollout.trainable == "all")
+
+    @torch.no_grad()
+    def encode_prefix(self, batch: RolloutBatch) -> RolloutBatch:
+        """`batch` with the prefix K/V computed by this policy's model (no autograd), in max_batch_size chunks.
+
+        For a trainer whose prefix is frozen and whose batches did not keep the rollout's K/V (e.g. they came from
+        another process): encode once per rollout batch, then every epoch and minibatch reuses it.
+        """
+        parts = []
+        step = self.scheduler.config.max_batch_size
+        with self._weights_in_use():
+            for start in range(0, batch.batch_size, step):
+                x = batch.inputs.select(slice(start, start + step))
+                cache = run_prefix_stage(self.model, x.images, x.image_mask, x.tokens, x.lengths)
+                kv = torch.stack([t for kv in zip(cache.keys, cache.values) for t in kv], dim=1)
+                kv = kv.view(kv.shape[0], len(cache.keys), 2, *kv.shape[2:])
+                pooled = self.model.prefix_pooled(cache) if cache.output is not None else None
+                parts.append(StoredPrefix(kv, cache.key_mask, pooled))
+        return replace(batch, prefix=StoredPrefix.cat(parts))
+
+    def declare_batch_sizes(self, sizes: Sequence[int]) -> tuple[int, ...]:
+        """Give each batch size a call will use its own bucket (graphs captured once, now); returns those added.
+
+        `PolicyVectorEnv` declares N (or each env group's size), so a deployment never pays for a larger bucket
+        than its own batch. Sizes above max_batch_size are split (the remainder gets a bucket).
+        """
+        self._check_open()
+        with self._lock:
+            return self.scheduler.add_batch_buckets(list(sizes))
 
     # --------------------------------------------------------------------------------------- lifecycle
     def _check_open(self) -> None:

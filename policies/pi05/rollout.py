@@ -12,9 +12,9 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 
 import torch
-import torch.nn.functional as F
 
-from .gemma import Modulation, upcast
+from .batch import StoredPrefix
+from .gemma import Modulation
 from .model import Pi05Model, PrefixCache
 from .sampler import Controls, StepTables, denoise
 
@@ -72,15 +72,7 @@ class RolloutTables:
             values = values or {}
             weights = [values.get(f"{name}.dense.weight", n.dense.weight) for name, n in zip(self.norm_names, norms)]
             biases = [values.get(f"{name}.dense.bias", n.dense.bias) for name, n in zip(self.norm_names, norms)]
-            if len({t.dtype for t in weights + biases}) != 1 or cond.dtype != upcast(weights[0]).dtype:
-                mods = [n.modulation(cond, w, b) for n, w, b in zip(norms, weights, biases)]  # 3 x (K, 1, We) each
-                return torch.stack([torch.cat(m, dim=-1)[:, 0] for m in mods])
-            # every norm's Dense in one GEMM: (K, We) x (n_norms * 3We, We)^T -> (n_norms, K, 3We)
-            width = weights[0].shape[1]
-            m = F.linear(cond, upcast(torch.cat(weights)), upcast(torch.cat(biases)))
-            m = m.view(cond.shape[0], len(norms), 3 * width).transpose(0, 1).contiguous()
-            m[..., :width] += 1.0  # [1 + scale | shift | gate], as `AdaRMSNorm.modulation`
-            return m
+            return self.model.modulation_table(cond, weights, biases)
 
     def __getitem__(self, k: int) -> KTables:
         return self.tables[k]
@@ -112,6 +104,7 @@ class RolloutOutputs:
     chain: torch.Tensor  # (B, K+1, H, D)
     log_prob_elements: torch.Tensor  # (B, H, D), zero outside the crop
     values: torch.Tensor  # (B,)
+    prefix: StoredPrefix | None = None  # the prefix K/V, when the caller keeps it for evaluate()
 
 
 def run_prefix_stage(model: Pi05Model, images, image_mask, tokens, lengths) -> PrefixCache:
@@ -122,10 +115,11 @@ def run_prefix_stage(model: Pi05Model, images, image_mask, tokens, lengths) -> P
     return model.run_prefix(emb, valid, need_output=model.config.value_source == "prefix")
 
 
-def prefix_values(model: Pi05Model, cache: PrefixCache) -> torch.Tensor | None:
-    """Critic from the prefix, or None when the value source is not the prefix."""
+def prefix_values(model: Pi05Model, cache: PrefixCache) -> tuple[torch.Tensor, torch.Tensor] | None:
+    """(pooled LM output (B, W), critic (B,)) from the prefix, or None when the value source is not the prefix."""
     if model.config.value_source == "prefix" and model.value_head is not None:
-        return model.prefix_value(cache)
+        pooled = model.prefix_pooled(cache)
+        return pooled, model.value_head(pooled)
     return None
 
 

@@ -16,13 +16,15 @@ from __future__ import annotations
 
 import bisect
 import time
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 
 import torch
 
+from .batch import StoredPrefix
 from .inputs import ModelInputs
 from .model import Pi05Model, PrefixCache
+from .prompt import DEFAULT_BUCKETS
 from .rollout import RolloutOutputs, RolloutTables, prefix_values, run_denoise_stage, run_prefix_stage
 from .sampler import NO_NOISE_HEAD, ControlInputs, SamplingOptions, controls, draw_noise
 
@@ -56,7 +58,7 @@ class SchedulerConfig:
 
     max_batch_size: int = 64
     batch_buckets: tuple[int, ...] | None = None
-    prompt_buckets: tuple[int, ...] = (16, 48, 112, 200)
+    prompt_buckets: tuple[int, ...] = DEFAULT_BUCKETS
     num_steps: tuple[int, ...] = (10,)
     camera_sets: tuple[tuple[int, ...], ...] = ((0, 1, 2),)
     cuda_graphs: bool = True
@@ -89,6 +91,7 @@ class _Buffers:
     key_mask: torch.Tensor  # (Bmax, Tmax) bool
     num_valid: torch.Tensor  # (Bmax,) int64
     prefix_value: torch.Tensor  # (Bmax,) float32
+    prefix_pooled: torch.Tensor  # (Bmax, W) float32, the prefix value's input
     chain: torch.Tensor  # (Bmax, Kmax+1, H, D) float32
     log_prob: torch.Tensor  # (Bmax, H, D) float32
     out_values: torch.Tensor  # (Bmax,) float32
@@ -160,6 +163,7 @@ class Pi05Scheduler:
             key_mask=torch.zeros(bmax, tmax, dtype=torch.bool, device=dev),
             num_valid=torch.zeros(bmax, dtype=torch.int64, device=dev),
             prefix_value=torch.zeros(bmax, device=dev),
+            prefix_pooled=torch.zeros(bmax, mcfg.llm.width, device=dev),
             chain=torch.zeros(bmax, kmax + 1, h, d, device=dev),
             log_prob=torch.zeros(bmax, h, d, device=dev),
             out_values=torch.zeros(bmax, device=dev),
@@ -171,6 +175,31 @@ class Pi05Scheduler:
             with torch.no_grad():
                 self._capture_all()
         self.stats.setup_seconds = time.perf_counter() - start
+
+    def add_batch_buckets(self, sizes: Sequence[int]) -> tuple[int, ...]:
+        """Make every batch size in `sizes` run at its own bucket; returns the buckets added.
+
+        A size above max_batch_size is split into max_batch_size chunks and its remainder, which gets a bucket.
+        On CUDA the new buckets' graphs are captured now, into the same pool, for every declared prompt bucket,
+        camera set and K; existing graphs are kept and nothing is ever recaptured.
+        """
+        bmax = self.config.max_batch_size
+        wanted: set[int] = set()
+        for n in sizes:
+            if isinstance(n, bool) or not isinstance(n, int) or n < 1:
+                raise ValueError(f"batch sizes: expected positive ints, got {n!r} in {list(sizes)}.")
+            wanted.add(min(n, bmax))
+            if n > bmax and n % bmax:
+                wanted.add(n % bmax)
+        assert self.config.batch_buckets is not None
+        new = tuple(sorted(wanted - set(self.config.batch_buckets)))
+        if not new:
+            return ()
+        self.config.batch_buckets = tuple(sorted({*self.config.batch_buckets, *new}))
+        if self.use_graphs and self.buffers is not None:
+            with torch.no_grad():
+                self._capture_buckets(new)
+        return new
 
     def _capture_all(self) -> None:
         cfg = self.config
@@ -184,8 +213,14 @@ class Pi05Scheduler:
                     self._denoise_stage(cfg.batch_buckets[-1], self.prompt_buckets[-1], cams, k)
         torch.cuda.current_stream(self.device).wait_stream(side)
         torch.cuda.synchronize(self.device)
+        assert cfg.batch_buckets is not None
+        self._capture_buckets(cfg.batch_buckets)
+
+    def _capture_buckets(self, buckets: Sequence[int]) -> None:
+        """Capture the prefix and denoise graphs of `buckets`, largest first, into the shared pool."""
+        cfg = self.config
         try:
-            for b in sorted(cfg.batch_buckets, reverse=True):
+            for b in sorted(buckets, reverse=True):
                 for length in self.prompt_buckets:
                     for cams in cfg.camera_sets:
                         self._capture(self._prefix_graphs, (b, length, cams), self._prefix_stage, b, length, cams)
@@ -226,7 +261,8 @@ class Pi05Scheduler:
         buf.num_valid[:b].copy_(cache.num_valid)
         value = prefix_values(self.model, cache)
         if value is not None:
-            buf.prefix_value[:b].copy_(value)
+            buf.prefix_pooled[:b].copy_(value[0])
+            buf.prefix_value[:b].copy_(value[1])
 
     def _camera_index(self, cams: tuple[int, ...]) -> torch.Tensor:
         """Device index tensor of a camera set (built once; no host copy inside a capture)."""
@@ -354,13 +390,22 @@ class Pi05Scheduler:
             self.stats.eager_calls += 1
 
     def rollout(
-        self, inputs: ModelInputs, seeds: torch.Tensor, counters: torch.Tensor, opts: SamplingOptions
+        self,
+        inputs: ModelInputs,
+        seeds: torch.Tensor,
+        counters: torch.Tensor,
+        opts: SamplingOptions,
+        keep_prefix: bool = False,
     ) -> tuple[RolloutOutputs, torch.Tensor]:
-        """Run a rollout for N rows (split over max_batch_size); returns fresh tensors and denoise indices."""
+        """Run a rollout for N rows (split over max_batch_size); returns fresh tensors and denoise indices.
+
+        With `keep_prefix` the outputs carry a copy of the prefix K/V (`RolloutOutputs.prefix`).
+        """
         cams = self._check(inputs, opts)
         length = self.prompt_bucket_for(inputs.tokens.shape[1])
         k, bmax = opts.num_steps, self.config.max_batch_size
-        parts = []
+        t = len(cams) * self.model.config.vision.num_patches + length
+        parts, prefixes = [], []
         for start in range(0, inputs.batch_size, bmax):
             index = slice(start, start + bmax)
             chunk = inputs.select(index)
@@ -379,8 +424,22 @@ class Pi05Scheduler:
                     buf.denoise_inds[:n, :k].clone(),
                 )
             )
+            if keep_prefix:
+                prefixes.append(self._stored_prefix(n, t))
         chain, lp, values, inds = (torch.cat(x) for x in zip(*parts))
-        return RolloutOutputs(chain, lp, values), inds
+        prefix = StoredPrefix.cat(prefixes) if prefixes else None
+        return RolloutOutputs(chain, lp, values, prefix), inds
+
+    def _stored_prefix(self, n: int, t: int) -> StoredPrefix:
+        """A copy of rows [:n] of the prefix K/V (T = t tokens), key mask and pooled output."""
+        buf = self.buffers
+        assert buf is not None
+        layers = [x[:n, :, :t] for kv in zip(buf.keys, buf.values) for x in kv]
+        kv = torch.stack(layers, dim=1)  # (n, 2 * depth, Nkv, t, hd): one copy kernel
+        kv = kv.view(n, len(buf.keys), 2, *kv.shape[2:])
+        has_pooled = self.model.config.value_source == "prefix" and self.model.value_head is not None
+        pooled = buf.prefix_pooled[:n].clone() if has_pooled else None
+        return StoredPrefix(kv, buf.key_mask[:n, :t].clone(), pooled)
 
     def prefix_value(self, inputs: ModelInputs) -> torch.Tensor:
         """(N,) prefix-source critic values; runs only the prefix graphs."""

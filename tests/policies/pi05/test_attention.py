@@ -69,13 +69,20 @@ def test_gemm_falls_back_to_sdpa(count_sdpa):
     q, k, v, mask = _qkv(n=4, nkv=2)  # two K/V heads: not a single shared head
     torch.testing.assert_close(attend(q, k, v, mask, 8**-0.5, "gemm"), attend(q, k, v, mask, 8**-0.5, "eager"))
     assert len(count_sdpa) == 1
-    q, k, v, mask = _qkv()
-    q.requires_grad_(True)  # autograd: the fused kernels' backward
-    attend(q, k, v, mask, 8**-0.5, "gemm").sum().backward()
-    assert len(count_sdpa) == 2 and q.grad is not None
     q, k, v, mask = _qkv(b=1, n=1, t=1, s=GEMM_MAX_SCORES + 1, hd=2)  # too many score elements
     attend(q, k, v, mask, 1.0, "gemm")
-    assert len(count_sdpa) == 3
+    assert len(count_sdpa) == 2
+
+
+def test_gemm_serves_autograd_with_the_forward_math(count_sdpa):
+    """The PPO trainer's evaluate() runs the rollout's attention math, with gradients, at any size."""
+    q, k, v, mask = _qkv(b=1, n=1, t=1, s=GEMM_MAX_SCORES + 1, hd=2)
+    q.requires_grad_(True)
+    out = attend(q, k, v, mask, 1.0, "gemm")
+    out.sum().backward()
+    assert count_sdpa == [] and q.grad is not None
+    with torch.no_grad():
+        torch.testing.assert_close(out, attend(q, k, v, mask, 1.0, "eager"), atol=1e-6, rtol=1e-5)
 
 
 def test_auto_plan_uses_gemm_for_the_expert_on_cuda_only():
@@ -109,7 +116,7 @@ def test_gemm_serves_matches_the_dispatch(count_sdpa):
 
     assert gemm_serves(1, 8, 1, 50, 1018) and gemm_serves(8, 8, 1, 50, 1018)  # (a) up to batch 8: 3.3M scores
     assert not gemm_serves(16, 8, 1, 50, 1018)  # (a) batch 16: 6.5M, SDPA is faster there
-    assert not gemm_serves(1, 8, 2, 50, 100) and not gemm_serves(1, 8, 1, 50, 100, grad=True)
+    assert not gemm_serves(1, 8, 2, 50, 100) and gemm_serves(16, 8, 1, 50, 1018, grad=True)  # the trainer
     # a mask built once for the whole batch, (1, 1, 1, S), broadcasts over the rows
     q, k, v, mask = _qkv()
     shared = additive_mask(mask[:1], torch.float32)

@@ -128,9 +128,7 @@ def test_evaluate_after_update_matches_float64_reference(method: str, joint: boo
             model64, x, batch.chains, batch.denoise_inds, method, joint, 0.45, 3, 7
         )
         # evaluate_rollout itself in float64 on the float64 model: agrees to float64 round-off
-        ev64 = evaluate_rollout(
-            model64, x, batch.chains.double(), batch.denoise_inds, _opts(policy, batch), train_prefix=False
-        )
+        ev64 = evaluate_rollout(model64, _stored(x, batch.chains.double(), batch), _opts(policy, batch), False)
     assert ev64.log_prob_elements.dtype == torch.float64
     torch.testing.assert_close(ev64.log_prob_elements, ref_lp, atol=1e-6, rtol=1e-6)
     torch.testing.assert_close(ev64.values, ref_values, atol=1e-9, rtol=1e-8)
@@ -144,6 +142,12 @@ def test_evaluate_after_update_matches_float64_reference(method: str, joint: boo
         assert (ev.log_prob - batch.log_prob).abs().min() > 1e-3
 
 
+def _stored(inputs, chains, out):
+    from policies.pi05.batch import RolloutBatch
+
+    return RolloutBatch(inputs, chains, out.denoise_inds, out.log_prob, out.values, out.header)
+
+
 def _opts(policy, batch):
     from policies.pi05.sampler import SamplingOptions
 
@@ -155,14 +159,14 @@ def _opts(policy, batch):
 class _Evaluate(nn.Module):
     """`evaluate_rollout` as a module call so that `torch.func.functional_call` can swap parameters."""
 
-    def __init__(self, model, inputs, chains, inds, opts) -> None:
+    def __init__(self, model, inputs, chains, out, opts) -> None:
         super().__init__()
         self.model = model
-        self.inputs, self.chains, self.inds, self.opts = inputs, chains, inds, opts
+        self.inputs, self.chains, self.out, self.opts = inputs, chains, out, opts
 
     def forward(self, chains=None):
-        ev = evaluate_rollout(self.model, self.inputs, self.chains if chains is None else chains, self.inds,
-                              self.opts, train_prefix=False)
+        batch = _stored(self.inputs, self.chains if chains is None else chains, self.out)
+        ev = evaluate_rollout(self.model, batch, self.opts, train_prefix=False)
         return torch.cat([ev.log_prob, ev.values, ev.entropy])
 
 
@@ -185,7 +189,7 @@ def test_gradcheck_through_evaluate_float64(method: str, joint: bool) -> None:
     x = make_inputs(2, seed=12)
     batch = policy.act_inputs(x, seeds=[1, 2])
     model64 = float64_copy(policy.model)
-    wrapper = _Evaluate(model64, x, batch.chains.double(), batch.denoise_inds, _opts(policy, batch))
+    wrapper = _Evaluate(model64, x, batch.chains.double(), batch, _opts(policy, batch))
     base = dict(wrapper.named_parameters())
 
     def f(delta: torch.Tensor) -> torch.Tensor:

@@ -1,0 +1,287 @@
+"""The PPO update at full size (DESIGN C9): update throughput, update-0 ratio, act() across batch sizes, iteration.
+
+    python benchmarks/bench_ppo.py --out DIR [--which update ratio act iteration]
+
+LIBERO RL setting: pi05_base geometry, 2 cameras, 48-token prompt, K=5 joint flow-SDE, H=10, C=5, A=7, prefix
+values, trainable = expert, random weights (every weight randomised). Rows (one JSON object per line) go to
+DIR/ppo.jsonl:
+  ppo_update     minibatch samples/s of evaluate() forward + backward + optimizer step (incl. the master copies),
+                 for the default trainer (rollout's bf16 + float32 masters; the rollout's prefix K/V kept), the
+                 same with the prefix encoded once per rollout batch (its cost shared over 4 epochs x 2
+                 minibatches), and the float32 trainer (prefix recomputed per minibatch)
+  update0_ratio  |log pi_trainer - log pi_rollout| at update 0 over a batch of 64 graph-rollout samples
+  act_public     act() samples/s through the public processor at N = 8..64 with each N declared
+  ppo_iteration  examples/ppo_pi05.py --config base --device cuda on the target task (median iteration, split)
+"""
+
+from __future__ import annotations
+
+import argparse
+import csv
+import json
+import subprocess
+import sys
+import time
+from dataclasses import replace
+from pathlib import Path
+
+import numpy as np
+import torch
+
+ROOT = Path(__file__).resolve().parents[1]
+SETTING = "libero_rl"
+BATCH, MINIBATCH, EPOCHS = 64, 32, 4
+
+
+def _row(out: Path, row: dict) -> None:
+    commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, capture_output=True, text=True)
+    gpu = torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu"
+    row = {"gpu": gpu, "torch": torch.__version__, "commit": commit.stdout.strip() or "unknown", **row}
+    print(json.dumps(row), flush=True)
+    with (out / "ppo.jsonl").open("a") as f:
+        f.write(json.dumps(row) + "\n")
+
+
+def _config():
+    from policies.pi05.config import Pi05Config
+
+    return Pi05Config.pi05_base(action_horizon=10, num_steps=5, value_source="prefix")
+
+
+def _randomize(model, seed: int = 0, std: float = 0.02) -> None:
+    """Seeded N(0, std) for every parameter, drawn on the device."""
+    gen = torch.Generator(device=next(model.parameters()).device).manual_seed(seed)
+    with torch.no_grad():
+        for _, p in sorted(model.named_parameters(), key=lambda kv: kv[0]):
+            noise = torch.empty(p.shape, device=p.device, dtype=torch.float32).normal_(0.0, std, generator=gen)
+            p.copy_(noise.to(p.dtype))
+
+
+class _Processor:
+    """Model-side processor stand-in: inputs are already processed."""
+
+    slots, action_dim, prompt_buckets = (0, 1), 7, (48,)
+
+    def postprocess(self, model_actions: torch.Tensor, chunk: int) -> torch.Tensor:
+        return model_actions[:, :chunk, : self.action_dim].float()
+
+
+def _inputs(n: int, device: str, seed: int = 0):
+    from policies.pi05.inputs import ModelInputs
+
+    gen = torch.Generator().manual_seed(seed)
+    images = torch.randint(0, 256, (n, 2, 3, 224, 224), generator=gen, dtype=torch.uint8)
+    tokens = torch.randint(3, 30000, (n, 48), generator=gen, dtype=torch.int32)
+    return ModelInputs(images.to(device), torch.ones(n, 2, dtype=torch.bool, device=device), (0, 1),
+                       tokens.to(device), torch.full((n,), 48, dtype=torch.int32, device=device))
+
+
+def _policies(device: str, trainer_dtype: torch.dtype | None):
+    """(graph rollout policy in bf16 keeping its prefix, eager trainer copy with the same weights, its masters)."""
+    from policies.master_weights import MasterWeights
+    from policies.pi05.model import Pi05Model
+    from policies.pi05.policy import Pi05Policy, RolloutConfig
+    from policies.pi05.scheduler import SchedulerConfig
+
+    cfg = _config()
+    rollout_cfg = RolloutConfig(method="sde", joint=True, num_steps=5, noise_level=0.5, action_chunk=5,
+                                keep_prefix=trainer_dtype is None)
+    with torch.device(device):
+        model = Pi05Model(cfg)
+    _randomize(model)
+    state = {k: v.detach().clone() for k, v in model.state_dict().items()}
+    model.set_precision(torch.bfloat16)
+    sched = SchedulerConfig(max_batch_size=BATCH, batch_buckets=(BATCH,), prompt_buckets=(48,), num_steps=(5,),
+                            camera_sets=((0, 1),))
+    rollout = Pi05Policy(model, _Processor(), rollout_cfg, sched)
+    with torch.device(device):
+        trainer_model = Pi05Model(cfg)
+    trainer_model.load_state_dict(state)
+    del state
+    trainer_model.set_precision(trainer_dtype or torch.bfloat16)
+    trainer = Pi05Policy(trainer_model, _Processor(), rollout_cfg,
+                         replace(sched, max_batch_size=MINIBATCH, batch_buckets=None, cuda_graphs=False))
+    master = MasterWeights(p for _, p in trainer.trainable_parameters())
+    return rollout, trainer, master
+
+
+def _rollout_batch(rollout, device: str):
+    from policies.pi05.batch import RolloutBatch
+
+    x = _inputs(BATCH, device)
+    with torch.no_grad():
+        out = rollout.act_inputs(x, seeds=torch.arange(BATCH, device=device))
+    return RolloutBatch.from_output(out)
+
+
+def _update_step(trainer, master, optimizer, batch) -> None:
+    new = trainer.evaluate(batch)
+    ratio = (new.log_prob - batch.log_prob).exp()
+    adv = torch.linspace(-1, 1, batch.batch_size, device=ratio.device)
+    pg = torch.max(-adv * ratio, -adv * ratio.clamp(0.8, 1.2)).mean()
+    loss = pg + 0.5 * ((new.values - batch.values) ** 2).mean()
+    optimizer.zero_grad()
+    loss.backward()
+    master.grads_to_masters()
+    torch.nn.utils.clip_grad_norm_(master.parameters(), 0.5)
+    optimizer.step()
+    master.masters_to_model()
+
+
+def _time_updates(trainer, master, batch, steps: int, warmup: int = 2) -> list[float]:
+    optimizer = torch.optim.Adam(master.parameters(), lr=5e-6, eps=1e-5)
+    times = []
+    gen = torch.Generator().manual_seed(0)
+    for i in range(warmup + steps):
+        mb = torch.randperm(batch.batch_size, generator=gen)[:MINIBATCH].to(batch.chains.device)
+        sub = batch.select(mb)
+        torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        _update_step(trainer, master, optimizer, sub)
+        torch.cuda.synchronize()
+        if i >= warmup:
+            times.append(time.perf_counter() - t0)
+    return times
+
+
+def _kernels_per_minibatch(trainer, master, batch) -> int:
+    from torch.profiler import ProfilerActivity, profile
+
+    optimizer = torch.optim.Adam(master.parameters(), lr=5e-6, eps=1e-5)
+    sub = batch.select(torch.arange(MINIBATCH, device=batch.chains.device))
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        _update_step(trainer, master, optimizer, sub)
+        torch.cuda.synchronize()
+    return int(sum(e.count for e in prof.key_averages() if e.device_type.name == "CUDA"))
+
+
+def bench_update(out: Path, device: str = "cuda") -> None:
+    for trainer_dtype in (None, torch.float32):
+        rollout, trainer, master = _policies(device, trainer_dtype)
+        batch = _rollout_batch(rollout, device)
+        del rollout
+        torch.cuda.empty_cache()
+        variants = [("default", batch)] if trainer_dtype is None else [("float32", replace(batch, prefix=None))]
+        if trainer_dtype is None:
+            variants.append(("default_encode_once", replace(batch, prefix=None)))
+        for name, data in variants:
+            encode_s = 0.0
+            if name == "default_encode_once":
+                torch.cuda.synchronize()
+                t0 = time.perf_counter()
+                data = trainer.encode_prefix(data)
+                torch.cuda.synchronize()
+                encode_s = time.perf_counter() - t0
+            base = torch.cuda.memory_allocated()
+            torch.cuda.reset_peak_memory_stats()
+            times = _time_updates(trainer, master, data, steps=8 if trainer_dtype is None else 3)
+            p50 = float(np.median(times)) + encode_s / (EPOCHS * BATCH // MINIBATCH)
+            _row(out, {"bench": "ppo_update", "trainer": name, "setting": SETTING, "minibatch": MINIBATCH,
+                       "K": 5, "method": "sde joint", "trainable": "expert",
+                       "prefix": {"default": "kept from the rollout", "default_encode_once": "encoded once per batch",
+                                  "float32": "recomputed per minibatch"}[name],
+                       "minibatch_ms_p50": p50 * 1e3, "encode_prefix_ms": encode_s * 1e3,
+                       "samples_per_s": MINIBATCH / p50,
+                       "peak_mem_gib": (torch.cuda.max_memory_allocated() - base) / 2**30 + base / 2**30,
+                       "kernels_per_minibatch": _kernels_per_minibatch(trainer, master, data)})
+        del trainer, master, batch
+        torch.cuda.empty_cache()
+
+
+def bench_ratio(out: Path, device: str = "cuda") -> None:
+    for trainer_dtype in (None, torch.float32):
+        rollout, trainer, master = _policies(device, trainer_dtype)
+        batch = _rollout_batch(rollout, device)
+        if trainer_dtype is not None:
+            batch = replace(batch, prefix=None)
+        with torch.no_grad():
+            ev = trainer.evaluate(batch)
+        log_ratio = (ev.log_prob - batch.log_prob).float()
+        _row(out, {"bench": "update0_ratio", "trainer": "default" if trainer_dtype is None else "float32",
+                   "setting": SETTING, "batch": BATCH, "mean_abs_log_ratio": float(log_ratio.abs().mean()),
+                   "max_abs_log_ratio": float(log_ratio.abs().max()),
+                   "clip_fraction": float(((log_ratio.exp() - 1).abs() > 0.2).float().mean()),
+                   "approx_kl": float(((log_ratio.exp() - 1) - log_ratio).mean()),
+                   "mean_abs_value_diff": float((ev.values - batch.values).abs().mean())})
+        del rollout, trainer, master, batch
+        torch.cuda.empty_cache()
+
+
+def bench_act(out: Path, device: str = "cuda", sizes=(8, 16, 24, 40, 48, 56, 64), iters: int = 10) -> None:
+    """act() through make_policy and the public processor, N declared as PolicyVectorEnv declares it."""
+    from phyai_gym.make import make_policy
+    from policies.pi05.policy import RolloutConfig
+
+    cfg = _config()
+    policy = make_policy(config=cfg, action_dim=7, device=device, max_batch_size=64,
+                         camera_map={"image": "base_0_rgb", "wrist_image": "left_wrist_0_rgb"},
+                         rollout=RolloutConfig(method="sde", joint=True, num_steps=5, noise_level=0.5, action_chunk=5))
+    rng = np.random.default_rng(0)
+    rows = []
+    for n in sizes:
+        policy.declare_batch_sizes([n])
+        obs = {"images": {k: rng.integers(0, 256, (n, 224, 224, 3), dtype=np.uint8) for k in ("image", "wrist_image")},
+               "state": rng.standard_normal((n, 8)).astype(np.float32),
+               "task": ["put the bowl on the plate"] * n}
+        times = []
+        for i in range(iters + 2):
+            torch.cuda.synchronize()
+            t0 = time.perf_counter()
+            result = policy.act(obs)
+            result.actions.cpu()
+            if i >= 2:
+                times.append(time.perf_counter() - t0)
+        p50 = float(np.median(times))
+        rows.append((n, n / p50, p50, int(policy.processor(obs).tokens.shape[1])))
+    at64 = dict((n, s) for n, s, _, _ in rows).get(64)
+    for n, sps, p50, bucket in rows:
+        _row(out, {"bench": "act_public", "setting": SETTING, "batch": n, "samples_per_s": sps,
+                   "p50_ms": p50 * 1e3, "prompt_bucket": bucket, "bucket": policy.scheduler.bucket_for(n),
+                   "ratio_to_64": sps / at64 if at64 else None})
+    policy.close()
+
+
+def bench_iteration(out: Path, iterations: int = 16) -> None:
+    log = out / "ppo_iteration.csv"
+    cmd = [sys.executable, str(ROOT / "examples" / "ppo_pi05.py"), "--config", "base", "--device", "cuda",
+           "--total-iterations", str(iterations), "--csv", str(log)]
+    t0 = time.perf_counter()
+    proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=540)
+    (out / "ppo_iteration.log").write_text(proc.stdout + proc.stderr)
+    if proc.returncode != 0 or not log.exists():
+        _row(out, {"bench": "ppo_iteration", "config": "base", "env": "target", "error": proc.stderr[-2000:]})
+        return
+    with log.open() as f:
+        curve = list(csv.DictReader(f))
+    split = {k: float(np.median([float(r[f"time_{k}"]) for r in curve])) for k in ("rollout", "train", "sync")}
+    final = [line for line in proc.stdout.splitlines() if line.startswith("final success")]
+    det = float(final[-1].split("deterministic")[1].split("|")[0].strip(" ,")) if final else None
+    _row(out, {"bench": "ppo_iteration", "config": "base", "env": "target", "num_envs": 32, "T": 2, "epochs": 4,
+               "minibatches": 2, "iterations": len(curve), "iteration_s_p50": sum(split.values()),
+               "rollout_s_p50": split["rollout"], "update_s_p50": split["train"], "sync_s_p50": split["sync"],
+               "success_first": float(curve[0]["success_rate"]), "success_last": float(curve[-1]["success_rate"]),
+               "final_success_deterministic": det, "wall_s": time.perf_counter() - t0,
+               "clipfrac_first": float(curve[0]["clipfrac"]), "approx_kl_first": float(curve[0]["approx_kl_first"])})
+
+
+WHICH = {"update": bench_update, "ratio": bench_ratio, "act": bench_act, "iteration": bench_iteration}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--out", type=Path, required=True)
+    parser.add_argument("--which", nargs="+", default=list(WHICH), choices=list(WHICH))
+    args = parser.parse_args()
+    args.out.mkdir(parents=True, exist_ok=True)
+    for name in args.which:
+        try:
+            WHICH[name](args.out)
+        except Exception as err:  # noqa: BLE001  (one failing measurement must not lose the others)
+            _row(args.out, {"bench": name, "error": f"{type(err).__name__}: {err}"[:2000]})
+            import traceback
+
+            traceback.print_exc()
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,54 @@
+"""Float32 master weights for a trainer that computes in bfloat16 (mixed-precision training, DESIGN C9).
+
+The PPO trainer computes `evaluate()` in the rollout's precision (bf16 blocks, fp32 islands), so that update 0
+has ratio 1 up to batch-shape rounding; but a learning rate of 5e-6 is far below bf16's resolution, so the
+optimizer must step float32 copies. `MasterWeights` keeps one float32 master per low-precision trainable
+parameter (a float32 parameter is its own master): gradients go master-ward after `backward()`, the updated
+masters are rounded back into the model after the optimizer step.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+
+import torch
+
+
+class MasterWeights:
+    """Float32 masters of a model's trainable parameters, for the optimizer.
+
+    Example:
+        >>> model = torch.nn.Linear(4, 2).to(torch.bfloat16)
+        >>> master = MasterWeights(model.parameters())
+        >>> optimizer = torch.optim.SGD(master.parameters(), lr=0.1)
+        >>> model(torch.ones(1, 4, dtype=torch.bfloat16)).float().sum().backward()
+        >>> master.grads_to_masters()       # float32 gradients on the masters (clip them here)
+        >>> optimizer.step()
+        >>> master.masters_to_model()       # the updated weights, rounded into the model
+        >>> model.weight.dtype, master.parameters()[0].dtype
+        (torch.bfloat16, torch.float32)
+    """
+
+    def __init__(self, params: Iterable[torch.Tensor]) -> None:
+        self.model_params = [p for p in params if p.requires_grad]
+        self.masters = [
+            p if p.dtype == torch.float32 else p.detach().float().clone().requires_grad_(True)
+            for p in self.model_params
+        ]
+        self._low = [(m, p) for m, p in zip(self.masters, self.model_params) if m is not p]
+
+    def parameters(self) -> list[torch.Tensor]:
+        """The float32 tensors the optimizer steps."""
+        return self.masters
+
+    def grads_to_masters(self) -> None:
+        """Float32 copies of the model's gradients on the masters; the model's own gradients are released."""
+        for master, param in self._low:
+            master.grad = None if param.grad is None else param.grad.float()
+            param.grad = None
+
+    @torch.no_grad()
+    def masters_to_model(self) -> None:
+        """Round the masters into the model's parameters (in place: captured graphs and views stay valid)."""
+        for master, param in self._low:
+            param.copy_(master)

@@ -1,0 +1,54 @@
+"""The trainer path on the GPU (run by benchmarks/gpu_suite.py; skipped on CPU): the graphs' kept prefix K/V equal
+eager's, declared buckets are captured once, and the bf16 trainer reproduces the graph rollout's log-probs."""
+
+from dataclasses import replace
+
+import pytest
+import torch
+from test_scheduler_cuda import _inputs, _model, _policy
+
+from policies.master_weights import MasterWeights
+from policies.pi05.batch import RolloutBatch
+
+pytestmark = [
+    pytest.mark.cuda,
+    pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU (run by benchmarks/gpu_suite.py)"),
+]
+
+
+def _keeping(policy):
+    policy.rollout = replace(policy.rollout, keep_prefix=True, method="sde", joint=True)
+    return policy
+
+
+def test_graph_prefix_kv_equals_eager_and_trainer_ratio_is_one():
+    model = _model()
+    graph, eager = _keeping(_policy(model, graphs=True)), _keeping(_policy(model, graphs=False))
+    x = _inputs(5, 48, 40)
+    a = graph.act_inputs(x, seeds=torch.arange(5))
+    b = eager.act_inputs(x, seeds=torch.arange(5))
+    assert torch.equal(a.prefix.kv, b.prefix.kv) and torch.equal(a.prefix.pooled, b.prefix.pooled)
+    assert torch.equal(a.chains, b.chains)
+    with torch.no_grad():
+        ev = eager.evaluate(RolloutBatch.from_output(a))  # the trainer: eager, same bf16 weights, kept prefix
+    log_ratio = (ev.log_prob - a.log_prob).abs()
+    assert float(log_ratio.max()) < 0.05, log_ratio
+    master = MasterWeights(p for _, p in eager.trainable_parameters())
+    ev = eager.evaluate(RolloutBatch.from_output(a))
+    ev.log_prob.sum().backward()
+    master.grads_to_masters()
+    assert all(m.grad is not None and torch.isfinite(m.grad).all() for m in master.parameters() if m.requires_grad)
+
+
+def test_declared_batch_sizes_are_captured_once_and_never_again():
+    policy = _policy(_model(), graphs=True)
+    captures = policy.scheduler.stats.captures
+    assert policy.declare_batch_sizes([3, 5]) == (3, 5)
+    added = policy.scheduler.stats.captures - captures
+    assert added == 2 * 3 * (1 + 2)  # 2 buckets x 3 prompt buckets x (prefix + 2 K)
+    for step in range(100):
+        n = 3 if step % 2 else 5
+        out = policy.act_inputs(_inputs(n, 48, 40, seed=step), env_ids=torch.arange(n))
+        assert out.actions.shape[0] == n
+    assert policy.scheduler.stats.captures == captures + added
+    assert policy.scheduler.bucket_for(3) == 3 and policy.scheduler.bucket_for(5) == 5

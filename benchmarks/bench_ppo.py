@@ -19,6 +19,7 @@ from __future__ import annotations
 import argparse
 import csv
 import json
+import os
 import subprocess
 import sys
 import time
@@ -34,9 +35,11 @@ BATCH, MINIBATCH, EPOCHS = 64, 32, 4
 
 
 def _row(out: Path, row: dict) -> None:
-    commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, capture_output=True, text=True)
+    commit = os.environ.get("PHYAI_GYM_COMMIT") or subprocess.run(
+        ["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, capture_output=True, text=True
+    ).stdout.strip()
     gpu = torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu"
-    row = {"gpu": gpu, "torch": torch.__version__, "commit": commit.stdout.strip() or "unknown", **row}
+    row = {"gpu": gpu, "torch": torch.__version__, "commit": commit or "unknown", **row}
     print(json.dumps(row), flush=True)
     with (out / "ppo.jsonl").open("a") as f:
         f.write(json.dumps(row) + "\n")
@@ -94,6 +97,8 @@ def _policies(device: str, trainer_dtype: torch.dtype | None):
     sched = SchedulerConfig(max_batch_size=BATCH, batch_buckets=(BATCH,), prompt_buckets=(48,), num_steps=(5,),
                             camera_sets=((0, 1),))
     rollout = Pi05Policy(model, _Processor(), rollout_cfg, sched)
+    torch.cuda.synchronize()
+    rollout.held_bytes = torch.cuda.memory_allocated() - sum(t.nbytes for t in state.values())
     with torch.device(device):
         trainer_model = Pi05Model(cfg)
     trainer_model.load_state_dict(state)
@@ -101,6 +106,8 @@ def _policies(device: str, trainer_dtype: torch.dtype | None):
     trainer_model.set_precision(trainer_dtype or torch.bfloat16)
     trainer = Pi05Policy(trainer_model, _Processor(), rollout_cfg,
                          replace(sched, max_batch_size=MINIBATCH, batch_buckets=None, cuda_graphs=False))
+    if trainer_dtype is None:
+        trainer.model.share_prefix(rollout.model)  # as the PPO example: one copy of the frozen prefix weights
     master = MasterWeights(p for _, p in trainer.trainable_parameters())
     return rollout, trainer, master
 
@@ -159,8 +166,7 @@ def bench_update(out: Path, device: str = "cuda") -> None:
     for trainer_dtype in (None, torch.float32):
         rollout, trainer, master = _policies(device, trainer_dtype)
         batch = _rollout_batch(rollout, device)
-        del rollout
-        torch.cuda.empty_cache()
+        held = rollout.held_bytes  # what the rollout policy holds (weights, buffers, graphs)
         variants = [("default", batch)] if trainer_dtype is None else [("float32", replace(batch, prefix=None))]
         if trainer_dtype is None:
             variants.append(("default_encode_once", replace(batch, prefix=None)))
@@ -172,7 +178,6 @@ def bench_update(out: Path, device: str = "cuda") -> None:
                 data = trainer.encode_prefix(data)
                 torch.cuda.synchronize()
                 encode_s = time.perf_counter() - t0
-            base = torch.cuda.memory_allocated()
             torch.cuda.reset_peak_memory_stats()
             times = _time_updates(trainer, master, data, steps=8 if trainer_dtype is None else 3)
             p50 = float(np.median(times)) + encode_s / (EPOCHS * BATCH // MINIBATCH)
@@ -182,9 +187,11 @@ def bench_update(out: Path, device: str = "cuda") -> None:
                                   "float32": "recomputed per minibatch"}[name],
                        "minibatch_ms_p50": p50 * 1e3, "encode_prefix_ms": encode_s * 1e3,
                        "samples_per_s": MINIBATCH / p50,
-                       "peak_mem_gib": (torch.cuda.max_memory_allocated() - base) / 2**30 + base / 2**30,
+                       "peak_mem_gib": (torch.cuda.max_memory_allocated() - held) / 2**30,
+                       "process_peak_gib": torch.cuda.max_memory_allocated() / 2**30,
+                       "rollout_policy_gib": held / 2**30,
                        "kernels_per_minibatch": _kernels_per_minibatch(trainer, master, data)})
-        del trainer, master, batch
+        del rollout, trainer, master, batch
         torch.cuda.empty_cache()
 
 

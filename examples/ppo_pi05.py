@@ -181,6 +181,8 @@ def train(args: Args) -> dict:
         trainer_kwargs["dtype"] = args.trainer_dtype
     trainer = make_policy(args.checkpoint, **trainer_kwargs)
     policy.sync_weights(trainer.model, expected="all")  # start from identical weights (version 1)
+    if rollout_cfg.keep_prefix:
+        trainer.model.share_prefix(policy.model)  # the frozen prefix: one copy of its weights, the rollout's
     master = MasterWeights(p for _, p in trainer.trainable_parameters())  # float32 weights the optimizer steps
     optimizer = torch.optim.Adam(master.parameters(), lr=args.learning_rate, eps=1e-5)
     envs = PolicyVectorEnv(raw_env, policy, action_chunk=args.action_chunk)

@@ -133,6 +133,24 @@ class Pi05Model(nn.Module):
         self.resolve_attention()
         return self
 
+    def share_prefix(self, other: Pi05Model) -> None:
+        """Use `other`'s vision tower, projector and LM (the prefix stack) instead of this model's own copies.
+
+        A trainer whose prefix is frozen (trainable = "expert") and that reuses the rollout's prefix K/V reads
+        the prefix weights only to recompute a batch that kept none; sharing the rollout policy's modules saves a
+        second copy (2.9 B parameters at full size). Both must have the same geometry, dtype and device.
+        """
+        mine, theirs = next(self.llm.parameters()), next(other.llm.parameters())
+        if other.config.llm != self.config.llm or other.config.vision != self.config.vision or (
+            (mine.dtype, mine.device) != (theirs.dtype, theirs.device)
+        ):
+            raise ValueError(
+                f"share_prefix(other): expected a model of the same prefix geometry, dtype and device, got "
+                f"{theirs.dtype} on {theirs.device} (this model: {mine.dtype} on {mine.device}); build the trainer "
+                "in the rollout's dtype on its device."
+            )
+        self.vision, self.projector, self.llm = other.vision, other.projector, other.llm
+
     def resolve_attention(self) -> AttentionPlan:
         """Choose attention backends for the current device and dtype."""
         device = next(self.parameters()).device

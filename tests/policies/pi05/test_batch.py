@@ -129,3 +129,20 @@ def test_declare_batch_sizes_gives_each_size_its_bucket() -> None:
                                .act_inputs(x, seeds=[1, 2, 3]).chains, atol=1e-5, rtol=1e-5)
     with pytest.raises(ValueError, match=r"batch sizes: expected positive ints, got 0 in \[0\]"):
         policy.declare_batch_sizes([0])
+
+
+def test_trainer_sharing_the_rollout_prefix_computes_the_same() -> None:
+    rollout = make_policy("prefix", method="sde", joint=True, keep_prefix=True)
+    trainer = make_policy("prefix", method="sde", joint=True, keep_prefix=True)
+    batch = RolloutBatch.from_output(rollout.act_inputs(make_inputs(2, seed=3), seeds=[1, 2]))
+    recomputed = replace(batch, prefix=None)
+    before = trainer.evaluate(recomputed).log_prob
+    trainer.model.share_prefix(rollout.model)
+    assert trainer.model.llm is rollout.model.llm and trainer.model.vision is rollout.model.vision
+    assert torch.equal(trainer.evaluate(recomputed).log_prob, before)
+    _grads(trainer, batch)
+    assert all(p.grad is None for p in rollout.model.llm.parameters())  # the shared prefix stays frozen
+    other = make_policy("prefix", model_overrides={"dtype": "float32"})
+    other.model.double()
+    with pytest.raises(ValueError, match=r"share_prefix\(other\): expected a model of the same prefix geometry"):
+        trainer.model.share_prefix(other.model)

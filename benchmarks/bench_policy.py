@@ -25,7 +25,6 @@ from policies.pi05.config import Pi05Config  # noqa: E402
 from policies.pi05.inputs import ModelInputs  # noqa: E402
 from policies.pi05.model import Pi05Model, torch_dtype  # noqa: E402
 from policies.pi05.policy import Pi05Policy, RolloutConfig  # noqa: E402
-from policies.pi05.sampler import SamplingOptions  # noqa: E402
 from policies.pi05.scheduler import SchedulerConfig  # noqa: E402
 
 CASES = {
@@ -104,7 +103,7 @@ def build_policy(case: dict, batches, config: Pi05Config, method: str, value_sou
     return policy, time.perf_counter() - start
 
 
-def time_stages(policy: Pi05Policy, inputs: ModelInputs, opts: SamplingOptions, iters: int) -> dict:
+def time_stages(policy: Pi05Policy, inputs: ModelInputs, opts: RolloutConfig, iters: int) -> dict:
     """CUDA-event timing of the prefix and denoise replays and of the whole model call."""
     sched = policy.scheduler
     n = inputs.batch_size

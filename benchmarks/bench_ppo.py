@@ -17,11 +17,9 @@ DIR/ppo.jsonl:
 from __future__ import annotations
 
 import argparse
-import csv
 import json
 import os
 import subprocess
-import sys
 import time
 from dataclasses import replace
 from pathlib import Path
@@ -249,26 +247,25 @@ def bench_act(out: Path, device: str = "cuda", sizes=(8, 16, 24, 40, 48, 56, 64)
 
 
 def bench_iteration(out: Path, iterations: int = 16) -> None:
-    log = out / "ppo_iteration.csv"
-    cmd = [sys.executable, str(ROOT / "examples" / "ppo_pi05.py"), "--config", "base", "--device", "cuda",
-           "--total-iterations", str(iterations), "--csv", str(log)]
+    """The PPO example in this process (its own CSV and plot go to DIR)."""
+    import runpy
+
+    example = runpy.run_path(str(ROOT / "examples" / "ppo_pi05.py"))
+    args = example["parse_args"](["--config", "base", "--device", "cuda", "--total-iterations", str(iterations),
+                                  "--csv", str(out / "ppo_iteration.csv")])
     t0 = time.perf_counter()
-    proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=540)
-    (out / "ppo_iteration.log").write_text(proc.stdout + proc.stderr)
-    if proc.returncode != 0 or not log.exists():
-        _row(out, {"bench": "ppo_iteration", "config": "base", "env": "target", "error": proc.stderr[-2000:]})
-        return
-    with log.open() as f:
-        curve = list(csv.DictReader(f))
-    split = {k: float(np.median([float(r[f"time_{k}"]) for r in curve])) for k in ("rollout", "train", "sync")}
-    final = [line for line in proc.stdout.splitlines() if line.startswith("final success")]
-    det = float(final[-1].split("deterministic")[1].split("|")[0].strip(" ,")) if final else None
-    _row(out, {"bench": "ppo_iteration", "config": "base", "env": "target", "num_envs": 32, "T": 2, "epochs": 4,
-               "minibatches": 2, "iterations": len(curve), "iteration_s_p50": sum(split.values()),
+    result = example["train"](args)
+    curve = result["curve"]
+    split = {k: float(np.median([r[f"time_{k}"] for r in curve])) for k in ("rollout", "train", "sync")}
+    _row(out, {"bench": "ppo_iteration", "config": "base", "env": "target", "num_envs": args.num_envs,
+               "T": args.num_steps, "epochs": args.update_epochs, "minibatches": args.num_minibatches,
+               "iterations": len(curve), "iteration_s_p50": float(np.median([r["time_rollout"] + r["time_train"]
+                                                                            + r["time_sync"] for r in curve])),
                "rollout_s_p50": split["rollout"], "update_s_p50": split["train"], "sync_s_p50": split["sync"],
-               "success_first": float(curve[0]["success_rate"]), "success_last": float(curve[-1]["success_rate"]),
-               "final_success_deterministic": det, "wall_s": time.perf_counter() - t0,
-               "clipfrac_first": float(curve[0]["clipfrac"]), "approx_kl_first": float(curve[0]["approx_kl_first"])})
+               "success_first": curve[0]["success_rate"], "success_last": curve[-1]["success_rate"],
+               "final_success_stochastic": result["final"]["stochastic"],
+               "final_success_deterministic": result["final"]["deterministic"], "wall_s": time.perf_counter() - t0,
+               "clipfrac_first": curve[0]["clipfrac"], "approx_kl_first": curve[0]["approx_kl_first"]})
 
 
 WHICH = {"update": bench_update, "ratio": bench_ratio, "act": bench_act, "iteration": bench_iteration}

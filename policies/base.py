@@ -15,33 +15,73 @@ from typing import Any, Protocol, runtime_checkable
 
 import torch
 
+METHODS = ("ode", "sde", "noise")
+"""Rollout methods (DESIGN C4): deterministic Euler, flow-SDE, learned noise head."""
+
 
 @dataclass(frozen=True)
-class RolloutHeader:
-    """Settings a rollout batch was produced with; `evaluate()` refuses a batch whose header disagrees.
+class RolloutConfig:
+    """Rollout settings: a policy's configuration, one call's options and the header of what a call returned.
+
+    One type serves all three: a policy holds one as its settings; a call's options are
+    ``replace(config, method="ode", action_chunk=C, action_dim=A)``; an `act()` output's header is the options
+    with the weight version and the value source filled in, and `evaluate()` checks a batch against it.
 
     Attributes:
-        weight_version: policy weight version at the time of the call (increases with every weight commit).
-        method: "ode", "sde" or "noise".
-        num_steps: K, the number of denoise steps.
-        noise_level: a, the SDE noise level.
-        action_chunk: C, env steps executed per call.
-        action_dim: A, env action dims.
-        value_source: "prefix", "suffix" or "none".
-        joint: whether every denoise step is stochastic with a joint log-prob.
+        method: "ode", "sde" or "noise" for stochastic calls (`deterministic=True` always uses "ode").
+        num_steps: K denoise steps (must be declared in the scheduler).
+        noise_level: a, the SDE noise level (a graph input: changing it never recaptures).
+        joint: joint SDE log-prob over all steps (always on for "noise").
+        shared_j: one stochastic step for the whole batch, drawn from the first env's stream (RLinf).
+        ignore_last: never choose the last step as the stochastic one.
+        action_chunk: C, env steps executed per call (the log-probs are cropped to it).
+        trainable: "expert" (expert, action/time projections and heads; RLinf's default) or "all".
+        keep_prefix: every `act()` output carries a copy of the prefix K/V (`PolicyOutput.prefix`), so that a PPO
+            trainer whose prefix is frozen never recomputes it (about 10 MB per sample in the LIBERO RL setting).
+        action_dim: A, the env action dims the log-probs are cropped to (0 in a policy's config: its own).
+        value_source: "prefix", "suffix" or "none" in a header ("" in a config: the model's).
+        weight_version: the policy's weight version at the call (headers; it rises with every weight commit).
+
+    Example:
+        >>> from dataclasses import replace
+        >>> config = RolloutConfig(method="sde", num_steps=5, joint=True)
+        >>> options = replace(config, method="ode", action_chunk=2, action_dim=7)
+        >>> options.is_joint, config.is_joint
+        (False, True)
     """
 
-    weight_version: int = 0
-    method: str = "ode"
-    num_steps: int = 0
-    noise_level: float = 0.0
-    action_chunk: int = 0
-    action_dim: int = 0
-    value_source: str = "none"
+    method: str = "sde"
+    num_steps: int = 10
+    noise_level: float = 0.5
     joint: bool = False
+    shared_j: bool = False
+    ignore_last: bool = False
+    action_chunk: int = 5
+    trainable: str = "expert"
+    keep_prefix: bool = False
+    action_dim: int = 0
+    value_source: str = ""
+    weight_version: int = 0
+
+    def __post_init__(self) -> None:
+        if self.method not in METHODS:
+            raise ValueError(f"RolloutConfig.method: expected one of {METHODS}, got {self.method!r}.")
+        if self.trainable not in ("expert", "all"):
+            raise ValueError(f"RolloutConfig.trainable: expected 'expert' or 'all', got {self.trainable!r}.")
+        if self.num_steps < 1:
+            raise ValueError(f"RolloutConfig.num_steps: expected >= 1, got {self.num_steps}.")
+        if not 0.0 <= self.noise_level:
+            raise ValueError(f"RolloutConfig.noise_level: expected >= 0, got {self.noise_level}.")
+        if self.ignore_last and self.num_steps < 2 and self.method == "sde" and not self.joint:
+            raise ValueError("RolloutConfig.ignore_last: needs num_steps >= 2 so that a non-last step exists.")
+
+    @property
+    def is_joint(self) -> bool:
+        """Whether the log-prob is the mean over the K+1 rows (x_0 and every transition)."""
+        return self.method == "noise" or (self.method == "sde" and self.joint)
 
     def to_dict(self) -> dict[str, Any]:
-        """Plain dict of the header fields."""
+        """Plain dict of the fields."""
         return {f.name: getattr(self, f.name) for f in fields(self)}
 
 
@@ -70,7 +110,7 @@ class PolicyOutput:
     chains: torch.Tensor | None = None
     denoise_inds: torch.Tensor | None = None
     inputs: Any = None
-    header: RolloutHeader = field(default_factory=RolloutHeader)
+    header: RolloutConfig = field(default_factory=RolloutConfig)
     prefix: Any = None
 
     def as_info(self) -> dict[str, torch.Tensor]:

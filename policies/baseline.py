@@ -13,7 +13,7 @@ from typing import Any
 
 import torch
 
-from policies.base import PolicyOutput, RolloutHeader
+from policies.base import PolicyOutput, RolloutConfig
 from policies.rng import STREAM_AUX, StreamTable, normal
 
 IdsLike = Sequence[int] | torch.Tensor | None
@@ -122,11 +122,12 @@ class GaussianPolicy:
             z = normal(stream_seeds, counters, STREAM_AUX, (self.action_horizon, self.action_dim))[:, :chunk]
             log_prob_elements = -0.5 * z.square() - torch.log(self.std) - 0.5 * math.log(2.0 * math.pi)
         actions = self.mean + self.std * z
-        header = RolloutHeader(
-            weight_version=self.weight_version,
+        header = RolloutConfig(
             method="ode" if deterministic else "noise",
             action_chunk=chunk,
             action_dim=self.action_dim,
+            value_source="none",
+            weight_version=self.weight_version,
         )
         return PolicyOutput(
             actions=actions,
@@ -200,7 +201,7 @@ class ConstantPolicy:
             log_prob=zeros.sum(dim=(1, 2)),
             log_prob_elements=zeros,
             values=torch.zeros(n, device=self.device),
-            header=RolloutHeader(action_chunk=chunk, action_dim=self.action_dim),
+            header=RolloutConfig(method="ode", action_chunk=chunk, action_dim=self.action_dim, value_source="none"),
         )
 
     def value(self, obs: Mapping[str, Any], *, env_ids: IdsLike = None) -> torch.Tensor:

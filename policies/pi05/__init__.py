@@ -10,7 +10,6 @@ from policies.pi05.model import Pi05Model
 from policies.pi05.policy import Pi05Policy, RolloutConfig
 from policies.pi05.presets import Preset, get_preset, list_presets
 from policies.pi05.processor import Pi05Processor, ProcessorConfig
-from policies.pi05.sampler import SamplingOptions
 from policies.pi05.scheduler import CaptureError, GraphKeyError, SchedulerConfig
 from policies.pi05.weight_sync import WeightSyncError, WeightUpdateReport
 
@@ -31,7 +30,6 @@ __all__ = [
     "ProcessorConfig",
     "RolloutBatch",
     "RolloutConfig",
-    "SamplingOptions",
     "SchedulerConfig",
     "SiglipConfig",
     "StoredPrefix",

@@ -17,7 +17,7 @@ from dataclasses import dataclass, replace
 import torch
 import torch.nn.functional as F
 
-from ..base import PolicyOutput, RolloutHeader
+from ..base import PolicyOutput, RolloutConfig
 from .inputs import ModelInputs
 from .model import PrefixCache
 
@@ -97,7 +97,7 @@ class RolloutBatch:
     denoise_inds: torch.Tensor
     log_prob: torch.Tensor
     values: torch.Tensor
-    header: RolloutHeader
+    header: RolloutConfig
     prefix: StoredPrefix | None = None
 
     @property

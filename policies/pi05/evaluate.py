@@ -20,10 +20,11 @@ from dataclasses import dataclass
 
 import torch
 
+from ..base import RolloutConfig
 from .batch import RolloutBatch
 from .model import Pi05Model, PrefixCache
 from .rollout import run_prefix_stage
-from .sampler import NO_NOISE_HEAD, SamplingOptions, StepTables, gaussian_log_prob, transition
+from .sampler import NO_NOISE_HEAD, StepTables, gaussian_log_prob, transition
 
 
 @dataclass
@@ -43,7 +44,7 @@ class EvalOutput:
     entropy: torch.Tensor
 
 
-def _rows(opts: SamplingOptions, denoise_inds: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
+def _rows(opts: RolloutConfig, denoise_inds: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
     """(sample index, step index) of every expert row: (b, j_b) for non-joint SDE, else (b, i) for i < K."""
     b = denoise_inds.shape[0]
     dev = denoise_inds.device
@@ -62,7 +63,7 @@ def _expand(cache: PrefixCache, rows: torch.Tensor) -> PrefixCache:
     )
 
 
-def evaluate_rollout(model: Pi05Model, batch: RolloutBatch, opts: SamplingOptions, train_prefix: bool) -> EvalOutput:
+def evaluate_rollout(model: Pi05Model, batch: RolloutBatch, opts: RolloutConfig, train_prefix: bool) -> EvalOutput:
     """Recompute log-probs / values / entropy for the stored chains (B, K+1, H, D) of `batch`."""
     if opts.method == "noise" and model.noise_head is None:
         raise ValueError(NO_NOISE_HEAD)

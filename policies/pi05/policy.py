@@ -10,13 +10,13 @@ from __future__ import annotations
 import json
 import threading
 from collections.abc import Mapping, Sequence
-from dataclasses import asdict, dataclass, replace
+from dataclasses import asdict, replace
 from pathlib import Path
 from typing import Any
 
 import torch
 
-from ..base import PolicyOutput, RolloutHeader
+from ..base import PolicyOutput, RolloutConfig
 from ..rng import StreamTable
 from .attention import AttentionConfig
 from .batch import RolloutBatch, StoredPrefix
@@ -27,43 +27,8 @@ from .inputs import ModelInputs
 from .model import Pi05Model, randomize_parameters_, torch_dtype
 from .prompt import DEFAULT_BUCKETS
 from .rollout import run_prefix_stage
-from .sampler import METHODS, SamplingOptions
 from .scheduler import Pi05Scheduler, SchedulerConfig
 from .weight_sync import WeightSyncMixin
-
-
-@dataclass
-class RolloutConfig:
-    """Rollout settings of a policy (per-call `act()` arguments override C).
-
-    Attributes:
-        method: "ode", "sde" or "noise" for stochastic calls (`deterministic=True` always uses "ode").
-        num_steps: K denoise steps (must be declared in the scheduler).
-        noise_level: a, the SDE noise level (a graph input: changing it never recaptures).
-        joint: joint SDE log-prob over all steps.
-        shared_j: one stochastic step for the whole batch (RLinf).
-        ignore_last: never choose the last step as the stochastic one.
-        action_chunk: C, env steps executed per call.
-        trainable: "expert" (expert, action/time projections and heads; RLinf's default) or "all".
-        keep_prefix: every `act()` output carries a copy of the prefix K/V (`PolicyOutput.prefix`), so that a PPO
-            trainer whose prefix is frozen never recomputes it (about 10 MB per sample in the LIBERO RL setting).
-    """
-
-    method: str = "sde"
-    num_steps: int = 10
-    noise_level: float = 0.5
-    joint: bool = False
-    shared_j: bool = False
-    ignore_last: bool = False
-    action_chunk: int = 5
-    trainable: str = "expert"
-    keep_prefix: bool = False
-
-    def __post_init__(self) -> None:
-        if self.trainable not in ("expert", "all"):
-            raise ValueError(f"trainable: expected 'expert' or 'all', got {self.trainable!r}.")
-        if self.method not in METHODS:
-            raise ValueError(f"RolloutConfig.method: expected one of {METHODS}, got {self.method!r}.")
 
 
 class Pi05Policy(WeightSyncMixin):
@@ -229,35 +194,22 @@ class Pi05Policy(WeightSyncMixin):
         """(name, parameter) of the trainable subset."""
         return [(n, p) for n, p in self.model.named_parameters() if p.requires_grad]
 
-    def sampling_options(self, deterministic: bool = False, action_chunk: int | None = None) -> SamplingOptions:
-        """The per-call options `act()` would use."""
+    def sampling_options(self, deterministic: bool = False, action_chunk: int | None = None) -> RolloutConfig:
+        """The per-call options `act()` would use: the settings with the call's method, C and A."""
         r = self.rollout
         chunk = r.action_chunk if action_chunk is None else action_chunk
         if not 1 <= chunk <= self.action_horizon:
             raise ValueError(f"action_chunk: expected 1..{self.action_horizon} (the model horizon), got {chunk}.")
-        return SamplingOptions(
-            method="ode" if deterministic else r.method,
-            num_steps=r.num_steps,
-            noise_level=r.noise_level,
-            joint=r.joint,
-            shared_j=r.shared_j,
-            ignore_last=r.ignore_last,
-            action_chunk=chunk,
-            action_dim=self.action_dim,
-        )
+        return replace(r, method="ode" if deterministic else r.method, action_chunk=chunk, action_dim=self.action_dim)
 
-    def header(self, opts: SamplingOptions) -> RolloutHeader:
-        """The header a call with `opts` carries."""
-        return RolloutHeader(
-            weight_version=self.weight_version,
-            method=opts.method,
-            num_steps=opts.num_steps,
-            noise_level=float(opts.noise_level),
-            action_chunk=opts.action_chunk,
-            action_dim=opts.action_dim,
-            value_source=self.config.value_source if self.model.value_head is not None else "none",
-            joint=opts.is_joint,
-        )
+    @property
+    def value_source(self) -> str:
+        """Where the critic reads: the config's value source, or "none" without a value head."""
+        return self.config.value_source if self.model.value_head is not None else "none"
+
+    def header(self, opts: RolloutConfig) -> RolloutConfig:
+        """The header a call with `opts` carries: the options, the weight version and the value source."""
+        return replace(opts, weight_version=self.weight_version, value_source=self.value_source)
 
     # ------------------------------------------------------------------------------------------- act
     def _env_ids(self, n: int, env_ids: Sequence[int] | torch.Tensor | None) -> tuple[torch.Tensor, int]:
@@ -378,30 +330,28 @@ class Pi05Policy(WeightSyncMixin):
         is not recomputed there unless the prefix is trainable.
         """
         if isinstance(batch, PolicyOutput):
+            lacking = [name for name in ("chains", "denoise_inds", "inputs") if getattr(batch, name) is None]
+            if lacking:
+                raise ValueError(
+                    f"evaluate(batch): expected a batch with chains, denoise_inds and inputs (what act() returns), "
+                    f"got None for {lacking}; pass act() outputs."
+                )
             batch = RolloutBatch.from_output(batch)
         if not isinstance(batch, RolloutBatch):
             raise TypeError(
                 f"evaluate(batch): expected a RolloutBatch or a PolicyOutput from act(), got {type(batch).__name__}."
             )
         h = batch.header
-        opts = SamplingOptions(
-            method=h.method,
-            num_steps=h.num_steps,
-            noise_level=h.noise_level,
-            joint=h.joint and h.method == "sde",
-            action_chunk=h.action_chunk,
-            action_dim=h.action_dim,
-        )
-        mine = self.header(replace(opts, noise_level=self.rollout.noise_level))
+        mine = self.sampling_options()
         expected = {
-            "method": (self.rollout.method, h.method),
-            "num_steps": (self.rollout.num_steps, h.num_steps),
-            "noise_level": (self.rollout.noise_level, h.noise_level),
-            "value_source": (mine.value_source, h.value_source),
+            "method": (mine.method, h.method),
+            "num_steps": (mine.num_steps, h.num_steps),
+            "noise_level": (mine.noise_level, h.noise_level),
+            "value_source": (self.value_source, h.value_source),
             "action_dim": (self.action_dim, h.action_dim),
         }
         if h.method != "ode":
-            expected["joint"] = (self.sampling_options().is_joint, h.joint)
+            expected["joint"] = (mine.is_joint, h.is_joint)
         for name, (want, got) in expected.items():
             if (abs(want - got) > 1e-12) if isinstance(want, float) else (want != got):
                 raise ValueError(
@@ -415,7 +365,7 @@ class Pi05Policy(WeightSyncMixin):
                 "prefix (batch.prefix = None) to recompute it."
             )
         with self._weights_in_use():  # weight sync (C6): no commit interleaves with this forward
-            return evaluate_rollout(self.model, batch, opts, train_prefix=self.rollout.trainable == "all")
+            return evaluate_rollout(self.model, batch, h, train_prefix=self.rollout.trainable == "all")
 
     @torch.no_grad()
     def encode_prefix(self, batch: RolloutBatch) -> RolloutBatch:

@@ -23,54 +23,14 @@ from dataclasses import dataclass, fields
 import torch
 
 from .. import rng
+from ..base import RolloutConfig
 
-METHODS = ("ode", "sde", "noise")
 _LOG_SQRT_2PI = 0.5 * math.log(2.0 * math.pi)
 NO_NOISE_HEAD = (
     "method='noise' needs the learned noise head, but this model has none (Pi05Config.noise_head=False); "
     "use method='sde', or a config with noise_head=True."
 )
 """Error text for a `noise` rollout/evaluation on a model without a noise head (it would silently be an ODE)."""
-
-
-@dataclass(frozen=True)
-class SamplingOptions:
-    """Per-call rollout settings.
-
-    Attributes:
-        method: "ode" (deterministic), "sde" (flow-SDE) or "noise" (learned noise head).
-        num_steps: K denoise steps.
-        noise_level: a, the SDE noise level.
-        joint: every SDE step stochastic with the joint log-prob (mean over K+1 rows); always on for "noise".
-        shared_j: one stochastic step for the whole batch (RLinf), drawn from the first env's stream.
-        ignore_last: never pick the last step as the stochastic one.
-        action_chunk: C, the executed chunk the log-probs are cropped to.
-        action_dim: A, the env action dims the log-probs are cropped to.
-    """
-
-    method: str = "sde"
-    num_steps: int = 10
-    noise_level: float = 0.5
-    joint: bool = False
-    shared_j: bool = False
-    ignore_last: bool = False
-    action_chunk: int = 1
-    action_dim: int = 32
-
-    def __post_init__(self) -> None:
-        if self.method not in METHODS:
-            raise ValueError(f"method: expected one of {METHODS}, got {self.method!r}.")
-        if self.num_steps < 1:
-            raise ValueError(f"num_steps: expected >= 1, got {self.num_steps}.")
-        if self.ignore_last and self.num_steps < 2 and self.method == "sde" and not self.joint:
-            raise ValueError("ignore_last: needs num_steps >= 2 so that a non-last step exists.")
-        if not 0.0 <= self.noise_level:
-            raise ValueError(f"noise_level: expected >= 0, got {self.noise_level}.")
-
-    @property
-    def is_joint(self) -> bool:
-        """Whether the log-prob is the mean over the K+1 rows (x_0 and every transition)."""
-        return self.method == "noise" or (self.method == "sde" and self.joint)
 
 
 @dataclass
@@ -149,7 +109,7 @@ class ControlInputs:
 
     @classmethod
     def from_options(
-        cls, opts: SamplingOptions, horizon: int, action_dim: int, chunk_only_value: bool, device: torch.device
+        cls, opts: RolloutConfig, horizon: int, action_dim: int, chunk_only_value: bool, device: torch.device
     ) -> ControlInputs:
         """Host-side construction (used once per call to fill static buffers, or directly when eager)."""
         scalar = lambda value: torch.tensor(float(value), device=device)

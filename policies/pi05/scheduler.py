@@ -21,12 +21,13 @@ from dataclasses import dataclass, field
 
 import torch
 
+from ..base import RolloutConfig
 from .batch import StoredPrefix
 from .inputs import ModelInputs
 from .model import Pi05Model, PrefixCache
 from .prompt import DEFAULT_BUCKETS
 from .rollout import RolloutOutputs, RolloutTables, prefix_values, run_denoise_stage, run_prefix_stage
-from .sampler import NO_NOISE_HEAD, ControlInputs, SamplingOptions, controls, draw_noise
+from .sampler import NO_NOISE_HEAD, ControlInputs, controls, draw_noise
 
 
 class GraphKeyError(ValueError):
@@ -134,7 +135,7 @@ class Pi05Scheduler:
         self._prefix_graphs: dict[tuple, torch.cuda.CUDAGraph] = {}
         self._denoise_graphs: dict[tuple, torch.cuda.CUDAGraph] = {}
         self._pool = None
-        self._switch_cache: dict[SamplingOptions, dict[str, torch.Tensor]] = {}
+        self._switch_cache: dict[RolloutConfig, dict[str, torch.Tensor]] = {}
         self._camera_indices: dict[tuple[int, ...], torch.Tensor] = {}
 
     # ------------------------------------------------------------------------------------------ setup
@@ -149,7 +150,7 @@ class Pi05Scheduler:
         tmax = len(mcfg.camera_slots) * mcfg.vision.num_patches + lmax
         kv_shape = (bmax, mcfg.llm.num_kv_heads, tmax + h, mcfg.llm.head_dim)
         dtype = self.model.compute_dtype
-        probe = ControlInputs.from_options(SamplingOptions(num_steps=kmax), h, d, False, dev)
+        probe = ControlInputs.from_options(RolloutConfig(num_steps=kmax), h, d, False, dev)
         self.buffers = _Buffers(
             images=torch.zeros(bmax, len(mcfg.camera_slots), 3, s, s, dtype=torch.uint8, device=dev),
             image_mask=torch.ones(bmax, len(mcfg.camera_slots), dtype=torch.bool, device=dev),
@@ -313,7 +314,7 @@ class Pi05Scheduler:
             )
         return self.prompt_buckets[i]
 
-    def _check(self, inputs: ModelInputs, opts: SamplingOptions) -> tuple[int, ...]:
+    def _check(self, inputs: ModelInputs, opts: RolloutConfig) -> tuple[int, ...]:
         if self.buffers is None:
             raise RuntimeError("Pi05Scheduler.setup() has not been called; call it once before act().")
         if opts.num_steps not in self.config.num_steps:
@@ -331,7 +332,7 @@ class Pi05Scheduler:
             )
         return cams
 
-    def _load(self, inputs: ModelInputs, seeds, counters, opts: SamplingOptions | None, b: int, length: int) -> None:
+    def _load(self, inputs: ModelInputs, seeds, counters, opts: RolloutConfig | None, b: int, length: int) -> None:
         """Copy a chunk of <= b rows into the static buffers; pad rows get harmless values."""
         buf = self.buffers
         assert buf is not None
@@ -360,7 +361,7 @@ class Pi05Scheduler:
             for name, value in self._switches(opts).items():
                 buf.switches[name].copy_(value)
 
-    def _switches(self, opts: SamplingOptions) -> dict[str, torch.Tensor]:
+    def _switches(self, opts: RolloutConfig) -> dict[str, torch.Tensor]:
         """Device tensors of the per-call switches, built once per distinct options (no host copy per call)."""
         cached = self._switch_cache.get(opts)
         if cached is None:
@@ -394,7 +395,7 @@ class Pi05Scheduler:
         inputs: ModelInputs,
         seeds: torch.Tensor,
         counters: torch.Tensor,
-        opts: SamplingOptions,
+        opts: RolloutConfig,
         keep_prefix: bool = False,
     ) -> tuple[RolloutOutputs, torch.Tensor]:
         """Run a rollout for N rows (split over max_batch_size); returns fresh tensors and denoise indices.

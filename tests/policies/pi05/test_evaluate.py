@@ -149,10 +149,10 @@ def _stored(inputs, chains, out):
 
 
 def _opts(policy, batch):
-    from policies.pi05.sampler import SamplingOptions
+    from policies.base import RolloutConfig
 
     h = batch.header
-    return SamplingOptions(method=h.method, num_steps=h.num_steps, noise_level=h.noise_level,
+    return RolloutConfig(method=h.method, num_steps=h.num_steps, noise_level=h.noise_level,
                            joint=h.joint and h.method == "sde", action_chunk=h.action_chunk, action_dim=h.action_dim)
 
 

@@ -317,7 +317,7 @@ def test_for_config_matches_model_geometry(standin_tok):
     model_cfg = Pi05Config.tiny()
     with pytest.warns(UserWarning, match="no state statistics"):
         p = Pi05Processor.for_config(model_cfg, action_dim=7, tokenizer=standin_tok)
-    assert p.config.max_token_len == model_cfg.max_token_len and p.prompt_buckets == (16, 48)
+    assert p.config.max_token_len == model_cfg.max_token_len and p.prompt_buckets == (16, 32, 48)
     assert p.config.image_size == model_cfg.vision.image_size and p.slots == (0, 1, 2) and p.action_dim == 7
     q = Pi05Processor.for_config(model_cfg, tokenizer=standin_tok.name, preset="rlinf_pi05_libero", action_dim=7)
     assert q.config.tokenizer == standin_tok.name

@@ -27,7 +27,7 @@ def test_update0_ratio_is_one(method: str, joint: bool, value_source: str) -> No
     out = policy.act_inputs(x, seeds=[3, 4, 5])
     assert out.actions.shape == (3, 4, 7) and out.log_prob_elements.shape == (3, 4, 7)
     assert out.chains.shape == (3, 6, 10, 32) and out.denoise_inds.shape == (3, 5)
-    assert out.header.method == method and out.header.joint == (joint or method == "noise")
+    assert out.header.method == method and out.header.is_joint == (joint or method == "noise")
     with torch.no_grad():
         ev = policy.evaluate(out)
     ratio = torch.exp(ev.log_prob - out.log_prob)

@@ -11,10 +11,10 @@ import math
 import pytest
 import torch
 
+from policies.base import RolloutConfig
 from policies.pi05.sampler import (
     ControlInputs,
     Controls,
-    SamplingOptions,
     StepTables,
     controls,
     denoise,
@@ -215,7 +215,7 @@ def test_sde_step_empirical_mean_and_std(j: int) -> None:
 def test_ode_steps_are_deterministic_and_have_zero_log_prob() -> None:
     b, k, h, d = 3, 4, 5, 6
     x0, xi = draw_noise(torch.arange(b), torch.zeros(b, dtype=torch.int64), k, h, d)
-    inp = ControlInputs.from_options(SamplingOptions(method="ode", num_steps=k, action_chunk=5, action_dim=6), h, d,
+    inp = ControlInputs.from_options(RolloutConfig(method="ode", num_steps=k, action_chunk=5, action_dim=6), h, d,
                                      False, torch.device("cpu"))
     ctrl, inds = controls(inp, torch.arange(b), torch.zeros(b, dtype=torch.int64), k)
     assert torch.equal(inds, torch.full((b, k), -1))
@@ -232,7 +232,7 @@ def test_crop_and_step_reductions_are_exact(method: str, joint: bool, chunk: int
     """Elements: row j (non-joint) or the mean over K+1 rows incl. log N(x0; 0, I) (joint), on [:C, :A] only."""
     b, k, h, d, a = 4, 3, 5, 6, 0.5
     seeds, counters = torch.arange(b) + 40, torch.full((b,), 2)
-    opts = SamplingOptions(method=method, num_steps=k, noise_level=a, joint=joint, action_chunk=chunk,
+    opts = RolloutConfig(method=method, num_steps=k, noise_level=a, joint=joint, action_chunk=chunk,
                            action_dim=adim)
     inp = ControlInputs.from_options(opts, h, d, False, torch.device("cpu"))
     ctrl, inds = controls(inp, seeds, counters, k)
@@ -277,7 +277,7 @@ def test_controls_indices_and_switches() -> None:
     dev = torch.device("cpu")
 
     def run(**kw):
-        opts = SamplingOptions(num_steps=k, **kw)
+        opts = RolloutConfig(num_steps=k, **kw)
         return controls(ControlInputs.from_options(opts, h, d, False, dev), seeds, counters, k)
 
     ctrl, inds = run(method="sde")
@@ -298,7 +298,7 @@ def test_controls_indices_and_switches() -> None:
     ctrl, inds = run(method="ode")
     assert torch.equal(ctrl.stochastic, torch.zeros(b, k)) and (inds == -1).all()
     # value pooling windows
-    opts = SamplingOptions(num_steps=k, action_chunk=3)
+    opts = RolloutConfig(num_steps=k, action_chunk=3)
     assert torch.allclose(ControlInputs.from_options(opts, h, d, False, dev).pool, torch.full((h,), 1 / h))
     pool = ControlInputs.from_options(opts, h, d, True, dev).pool
     assert torch.allclose(pool, torch.tensor([1 / 3] * 3 + [0.0] * 7))
@@ -320,11 +320,11 @@ def test_suffix_values_are_the_mean_over_steps_of_the_pooled_critic() -> None:
 
 def test_sampling_options_validation() -> None:
     with pytest.raises(ValueError, match="method"):
-        SamplingOptions(method="cps")
+        RolloutConfig(method="cps")
     with pytest.raises(ValueError, match="num_steps"):
-        SamplingOptions(num_steps=0)
+        RolloutConfig(num_steps=0)
     with pytest.raises(ValueError, match="ignore_last"):
-        SamplingOptions(num_steps=1, ignore_last=True)
+        RolloutConfig(num_steps=1, ignore_last=True)
     with pytest.raises(ValueError, match="noise_level"):
-        SamplingOptions(noise_level=-0.1)
-    assert SamplingOptions(method="noise").is_joint and not SamplingOptions(method="sde").is_joint
+        RolloutConfig(noise_level=-0.1)
+    assert RolloutConfig(method="noise").is_joint and not RolloutConfig(method="sde").is_joint

@@ -7,10 +7,10 @@ import pytest
 import torch
 from helpers import PROMPT, expert_side, make_inputs, make_model, make_policy, perturb_
 
-from policies.pi05.sampler import SamplingOptions
+from policies.base import RolloutConfig
 from policies.pi05.scheduler import GraphKeyError, Pi05Scheduler, SchedulerConfig, default_batch_buckets
 
-OPTS = SamplingOptions(method="sde", num_steps=5, noise_level=0.5, action_chunk=4, action_dim=7)
+OPTS = RolloutConfig(method="sde", num_steps=5, noise_level=0.5, action_chunk=4, action_dim=7)
 
 
 def make_scheduler(max_batch_size: int = 4, **kw) -> Pi05Scheduler:
@@ -65,7 +65,7 @@ def test_rollout_uses_the_smallest_bucket_and_prompt_bucket(sched, monkeypatch) 
         out, inds = run(sched, make_inputs(n, seed=n), seeds, counters)
         assert out.chain.shape == (n, 6, 10, 32) and inds.shape == (n, 5)
     x = make_inputs(2, seed=9, prompt=20)  # 20 tokens -> prompt bucket 48
-    run(sched, x, *streams(2), opts=SamplingOptions(num_steps=3, action_chunk=4, action_dim=7))
+    run(sched, x, *streams(2), opts=RolloutConfig(num_steps=3, action_chunk=4, action_dim=7))
     assert calls == [(1, 16, (0, 1), 5), (2, 16, (0, 1), 5), (4, 16, (0, 1), 5), (4, 16, (0, 1), 5),
                      (2, 48, (0, 1), 3)]
 
@@ -146,7 +146,7 @@ def test_padded_and_split_calls_match_single_calls() -> None:
 def test_undeclared_keys_raise_graph_key_error_naming_the_setup_argument(sched) -> None:
     x = make_inputs(1)
     with pytest.raises(GraphKeyError, match=r"num_steps=4 .*setup\(num_steps=\(3, 5\)\)"):
-        run(sched, x, *streams(1), opts=SamplingOptions(num_steps=4, action_dim=7))
+        run(sched, x, *streams(1), opts=RolloutConfig(num_steps=4, action_dim=7))
     y = make_inputs(1, slots=(0, 2))
     with pytest.raises(GraphKeyError, match=r"camera set \(0, 2\) .*setup\(camera_sets="):
         run(sched, y, *streams(1))

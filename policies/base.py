@@ -127,6 +127,7 @@ class StreamPolicy(Policy, Protocol):
     those counters while the table stays as it is, and advances them only if it uses the result. A
     discarded call therefore leaves nothing to undo (DESIGN C3). The weight version tells it whether a
     speculative output is stale, and `sync_weights` is what `PolicyVectorEnv.sync_weights` forwards to.
+    `act` and `advance_streams` may be called from different threads for disjoint env ids.
 
     Example:
         >>> from policies.baseline import GaussianPolicy

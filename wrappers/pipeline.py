@@ -84,8 +84,7 @@ class EnvPipeline:
         >>> from wrappers.adapters.scripted import make_scripted_env
         >>> envs = [make_scripted_env(2), make_scripted_env(2)]
         >>> pipeline = EnvPipeline(envs, GaussianPolicy(3, action_horizon=4), prefetch=True)
-        >>> for runner in pipeline.runners:
-        ...     _ = runner.reset(None, {})
+        >>> obs, infos = pipeline.reset(seeds=[0, 1, 2, 3], options={})
         >>> results, outputs = pipeline.step(None, CallSettings(False, 4, 3, np.float32))
         >>> [tuple(r.substep_mask.shape) for r in results], pipeline.batch_sizes
         ([(2, 4), (2, 4)], (2,))
@@ -117,7 +116,7 @@ class EnvPipeline:
         self.num_envs = int(offsets[-1])
         self.policy = policy
         self.prefetch = bool(prefetch)
-        self._streams: StreamPolicy | None = policy if prefetch else None  # type: ignore[assignment]
+        self._stream_policy = policy if prefetch and isinstance(policy, StreamPolicy) else None
         workers = groups * (2 if self.prefetch else 1)  # prefetch: up to G chunks and G calls at once
         self.pool = ThreadPoolExecutor(workers, "pve-group") if workers > 1 else None
         concurrency = groups if env_concurrency is None else min(env_concurrency, groups)
@@ -134,7 +133,29 @@ class EnvPipeline:
         """The batch sizes the policy is called with (the groups' sizes, sorted, distinct)."""
         return tuple(sorted({runner.num_envs for runner in self.runners}))
 
-    # --------------------------------------------------------------------------------------------- one step
+    # --------------------------------------------------------------------------------------------- reset, step
+    def reset(
+        self, seeds: Sequence[int] | None, options: dict[str, Any], mask: np.ndarray | None = None
+    ) -> tuple[list[Any], list[dict[str, Any]]]:
+        """Resets every group (with env i's seed `seeds[i]`), or only the envs in the (N,) bool `mask`.
+
+        Drops speculative calls first. Returns the groups' observations and reset infos (a group with no
+        masked env keeps its observation and gets an empty info).
+        """
+        self.cancel()
+        obs_parts, info_parts = [], []
+        for runner in self.runners:
+            rows = slice(runner.offset, runner.offset + runner.num_envs)
+            group_options = dict(options) if mask is None else {**options, "reset_mask": mask[rows]}
+            info: dict[str, Any] = {}
+            if mask is None or mask[rows].any():
+                _, info = runner.reset(None if seeds is None else list(seeds[rows]), group_options)
+            if runner.obs is None:
+                raise RuntimeError("PolicyVectorEnv.reset: a `reset_mask` reset needs a full reset() first.")
+            obs_parts.append(runner.obs)
+            info_parts.append(info)
+        return obs_parts, info_parts
+
     def step(
         self, actions: Any, settings: CallSettings, seeds: torch.Tensor | None = None
     ) -> tuple[list[ChunkResult], list[PolicyOutput]]:
@@ -234,8 +255,8 @@ class EnvPipeline:
         explicit: dict[str, Any] = {}
         with self._gate:
             if speculative:
-                assert self._streams is not None
-                explicit["counters"] = self._streams.stream_state(ids)[1]
+                assert self._stream_policy is not None
+                explicit["counters"] = self._stream_policy.stream_state(ids)[1]
             out = self.policy.act(
                 runner.obs,
                 deterministic=settings.deterministic,
@@ -304,16 +325,16 @@ class EnvPipeline:
             call = record.future.result()
         except Exception:  # called again on this thread, which raises the error where it belongs
             return None
-        runner, streams = self.runners[g], self._streams
-        assert streams is not None and call.counters is not None
+        runner, policy = self.runners[g], self._stream_policy
+        assert policy is not None and call.counters is not None
         if not (
             record.obs is runner.obs
             and seeds is None
             and record.settings == settings
-            and call.out.header.weight_version == streams.weight_version
+            and call.out.header.weight_version == policy.weight_version
         ):
             return None
-        streams.advance_streams(range(runner.offset, runner.offset + runner.num_envs), call.counters)
+        policy.advance_streams(range(runner.offset, runner.offset + runner.num_envs), call.counters)
         return call
 
     def cancel(self) -> None:

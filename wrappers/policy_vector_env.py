@@ -239,35 +239,23 @@ class PolicyVectorEnv(VectorWrapper):
         ``options["reset_mask"]`` resets only the masked envs (their policy streams are not re-seeded).
         """
         self._check_open("reset")
-        self._pipeline.cancel()
         options = dict(options or {})
         mask = options.pop("reset_mask", None)
+        mask = None if mask is None else np.asarray(mask, dtype=bool)
         seeds = None if seed is None else ([seed + i for i in range(self.num_envs)] if isinstance(seed, int)
                                            else [int(s) for s in seed])  # fmt: skip
         if seeds is not None and len(seeds) != self.num_envs:
             raise ValueError(f"PolicyVectorEnv.reset: `seed` has {len(seeds)} entries, expected {self.num_envs}.")
-        runners = self._pipeline.runners
-        obs_parts, info_parts = [], []
-        for runner in runners:
-            rows = slice(runner.offset, runner.offset + runner.num_envs)
-            sub = dict(options)
-            if mask is not None:
-                sub["reset_mask"] = np.asarray(mask, dtype=bool)[rows]
-            info: dict[str, Any] = {}
-            if mask is None or sub["reset_mask"].any():
-                _, info = runner.reset(None if seeds is None else seeds[rows], sub)
-            if runner.obs is None:
-                raise RuntimeError("PolicyVectorEnv.reset: a `reset_mask` reset needs a full reset() first.")
-            _check_canonical(list(runner.obs), "observations from `env`")
-            obs_parts.append(runner.obs)
-            info_parts.append(info)
+        obs_parts, info_parts = self._pipeline.reset(seeds, options, mask)
+        for obs in obs_parts:
+            _check_canonical(list(obs), "observations from `env`")
         if seeds is not None and mask is None:
             self._pending_seeds = torch.tensor(seeds, dtype=torch.int64)
         if self._stats is not None:
-            self._stats.to(runners[0].device)
-            self._stats.reset(None if mask is None else torch.as_tensor(np.asarray(mask, dtype=bool)))
+            self._stats.to(self._pipeline.runners[0].device)
+            self._stats.reset(None if mask is None else torch.as_tensor(mask))
         self._ready = True
-        infos = _concat_infos(info_parts, [r.num_envs for r in runners])
+        infos = _concat_infos(info_parts, [r.num_envs for r in self._pipeline.runners])
         return concat(obs_parts), (to_numpy_tree(infos) if self.numpy_infos else infos)
 
     def step(self, actions: Any = None) -> tuple[Any, Any, Any, Any, dict[str, Any]]:

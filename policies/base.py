@@ -147,17 +147,11 @@ class StreamPolicy(Policy, Protocol):
     weight_version: int
     """Increases with every weight change; outputs carry the version they were made with."""
 
-    def act(
-        self,
-        obs: Mapping[str, Any],
-        *,
-        deterministic: bool = False,
-        seeds: Sequence[int] | torch.Tensor | None = None,
-        env_ids: Sequence[int] | torch.Tensor | None = None,
-        action_chunk: int | None = None,
-        counters: torch.Tensor | None = None,
-    ) -> PolicyOutput:
-        """`Policy.act`; with `counters` ((N,) int64) it draws from (seed_i, counters_i) and changes no stream."""
+    def act(self, obs: Mapping[str, Any], *, counters: torch.Tensor | None = None, **kwargs: Any) -> PolicyOutput:
+        """`Policy.act` (same arguments); with `counters` ((N,) ints) it changes no stream.
+
+        Env i then draws from (seed_i, counters_i); `seeds` may not be given with `counters`.
+        """
         ...
 
     def stream_state(self, env_ids: Sequence[int] | torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

@@ -63,6 +63,7 @@ class _Speculation:
     future: Future[_Call]
     obs: Any  # the observation object it acts on (the group's `ChunkRunner.obs` when it started)
     settings: CallSettings
+    weight_version: int  # the policy's when it started (a sync during the call makes it stale too)
 
 
 class EnvPipeline:
@@ -312,9 +313,11 @@ class EnvPipeline:
     def _speculate(self, g: int, settings: CallSettings) -> None:
         """Submits a speculative call on group g's current observation (its streams stay as they are)."""
         assert self.pool is not None and g not in self._speculations
-        runner = self.runners[g]
+        runner, policy = self.runners[g], self._stream_policy
+        assert policy is not None
+        version = policy.weight_version
         future = self.pool.submit(self._call, runner, settings, None, True)
-        self._speculations[g] = _Speculation(future=future, obs=runner.obs, settings=settings)
+        self._speculations[g] = _Speculation(future, runner.obs, settings, version)
 
     def _take(self, g: int, settings: CallSettings, seeds: torch.Tensor | None) -> _Call | None:
         """Group g's speculative call if it is still valid, its streams then advanced; else None."""
@@ -331,7 +334,7 @@ class EnvPipeline:
             record.obs is runner.obs
             and seeds is None
             and record.settings == settings
-            and call.out.header.weight_version == policy.weight_version
+            and record.weight_version == call.out.header.weight_version == policy.weight_version
         ):
             return None
         policy.advance_streams(range(runner.offset, runner.offset + runner.num_envs), call.counters)

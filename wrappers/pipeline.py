@@ -7,7 +7,8 @@ With G > 1 the chunks run in worker threads, so the policy acts on group g+1 whi
 next step uses it if it was made from the same observation, settings and weight version, and otherwise calls
 again. A speculative call reads its envs' stream counters and acts with them without advancing them
 (`policies.base.StreamPolicy`); only a call whose result is used advances them. A discarded call therefore
-changes nothing, and results equal ``G = 1`` without prefetch bit for bit.
+changes nothing, and results equal ``G = 1`` without prefetch bit for bit. Between steps the wrapper is taken
+to be the only caller of ``policy.act`` for its env ids (as it is for their streams without prefetch).
 """
 
 from __future__ import annotations

@@ -175,6 +175,6 @@ class BatchSizePolicy(Protocol):
     group's size), so that a policy with captured graphs captures those sizes and pays for no larger bucket.
     """
 
-    def declare_batch_sizes(self, sizes: Sequence[int]) -> None:
-        """Prepares for calls of these batch sizes (distinct positive ints)."""
+    def declare_batch_sizes(self, sizes: Sequence[int]) -> Any:
+        """Prepares for calls of these batch sizes (distinct positive ints); what it returns is not used."""
         ...

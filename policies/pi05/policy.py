@@ -310,19 +310,6 @@ class Pi05Policy(WeightSyncMixin):
             explicit = explicit_counters("Pi05Policy.advance_streams", counters, len(ids), self.device)
             self.streams.advance(ids, explicit, upper)
 
-    declared_batch_sizes: tuple[int, ...] = ()
-    """The batch sizes given to `declare_batch_sizes` (sorted, distinct)."""
-
-    def declare_batch_sizes(self, sizes: Sequence[int]) -> None:
-        """The batch sizes `act()` will be called with (`BatchSizePolicy`); validated and recorded."""
-        is_size = lambda size: isinstance(size, int) and not isinstance(size, bool) and size >= 1
-        if not isinstance(sizes, Sequence) or not sizes or not all(is_size(size) for size in sizes):
-            raise ValueError(
-                f"declare_batch_sizes: argument `sizes` must be a non-empty sequence of ints >= 1, got {sizes!r}. "
-                "Fix: pass the batch sizes act() will see, e.g. (num_envs,)."
-            )
-        self.declared_batch_sizes = tuple(sorted(set(sizes)))
-
     def act_inputs(
         self,
         inputs: ModelInputs,

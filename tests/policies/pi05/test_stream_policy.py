@@ -1,5 +1,5 @@
 """Pi05Policy as a `StreamPolicy` (DESIGN C3): a call with explicit counters draws exactly what a plain call at
-those counters draws and changes no stream; `advance_streams` then records it. And `declare_batch_sizes`."""
+those counters draws and changes no stream; `advance_streams` then records it."""
 
 from __future__ import annotations
 
@@ -9,12 +9,12 @@ import pytest
 import torch
 from helpers import make_inputs, make_policy
 
-from policies.base import BatchSizePolicy, StreamPolicy
+from policies.base import StreamPolicy
 
 
 def test_explicit_counters_draw_like_a_plain_call_and_change_nothing_until_advanced() -> None:
     plain, speculating = make_policy("suffix", method="sde"), make_policy("suffix", method="sde")
-    assert isinstance(speculating, StreamPolicy) and isinstance(speculating, BatchSizePolicy)
+    assert isinstance(speculating, StreamPolicy)
     x = make_inputs(3, seed=1)
     for policy in (plain, speculating):
         policy.act_inputs(x, seeds=[4, 5, 6], env_ids=[2, 0, 5])
@@ -55,15 +55,3 @@ def test_explicit_counters_are_checked_and_a_refused_call_changes_nothing() -> N
     for a, b in zip(before, policy.streams.state()):
         assert torch.equal(a, b)
 
-
-def test_declare_batch_sizes_records_valid_sizes_and_refuses_others() -> None:
-    policy = make_policy("none")
-    policy.declare_batch_sizes((4, 2, 4))
-    assert policy.declared_batch_sizes == (2, 4)
-    for bad in ((), (0,), (2, -1), (True,), 4, (2.0,)):
-        with pytest.raises(ValueError, match=re.escape(
-            f"declare_batch_sizes: argument `sizes` must be a non-empty sequence of ints >= 1, got {bad!r}. "
-            "Fix: pass the batch sizes act() will see"
-        )):  # fmt: skip
-            policy.declare_batch_sizes(bad)
-    assert policy.declared_batch_sizes == (2, 4)  # refused calls changed nothing

@@ -1,5 +1,5 @@
 """Policy side of phyai-gym, usable without Gymnasium: the Policy protocol, PI0.5 and baselines."""
 
-from policies.base import Policy, PolicyOutput, RolloutConfig
+from policies.base import BatchSizePolicy, Policy, PolicyOutput, RolloutConfig, StreamPolicy
 
-__all__ = ["Policy", "PolicyOutput", "RolloutConfig"]
+__all__ = ["BatchSizePolicy", "Policy", "PolicyOutput", "RolloutConfig", "StreamPolicy"]

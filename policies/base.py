@@ -134,7 +134,8 @@ class Policy(Protocol):
 
     Randomness (DESIGN C3): env i draws from a counter-based stream keyed by (seed_i, counter_i). `env_ids`
     names which streams a call uses (default ``range(N)``); `seeds` (re)sets those streams' seeds and zeroes
-    their counters; every call advances the counters of the envs it acted for.
+    their counters; every call advances the counters of the envs it acted for (see `StreamPolicy` for calls
+    that do not).
     """
 
     device: torch.device
@@ -157,4 +158,65 @@ class Policy(Protocol):
         self, obs: Mapping[str, Any], *, env_ids: Sequence[int] | torch.Tensor | None = None
     ) -> torch.Tensor:
         """(N,) critic values for a batch of canonical observations."""
+        ...
+
+
+@runtime_checkable
+class StreamPolicy(Policy, Protocol):
+    """A `Policy` whose calls can be made without side effects, for speculative (prefetched) calls.
+
+    `PolicyVectorEnv(..., prefetch=True)` needs it: it reads the counters of a group's env ids, acts with
+    those counters while the table stays as it is, and advances them only if it uses the result. A
+    discarded call therefore leaves nothing to undo (DESIGN C3). The weight version tells it whether a
+    speculative output is stale, and `sync_weights` is what `PolicyVectorEnv.sync_weights` forwards to.
+    `act` and `advance_streams` may be called from different threads for disjoint env ids.
+
+    Example:
+        >>> from policies.baseline import GaussianPolicy
+        >>> policy = GaussianPolicy(action_dim=2, action_horizon=4)
+        >>> obs = {"task": ["a", "b"]}
+        >>> _, counters = policy.stream_state([0, 1])
+        >>> out = policy.act(obs, env_ids=[0, 1], counters=counters)  # the table is unchanged
+        >>> policy.stream_state([0, 1])[1].tolist()
+        [0, 0]
+        >>> policy.advance_streams([0, 1], counters)  # the output is used: record the call
+        >>> bool(torch.equal(out.actions, GaussianPolicy(2, 4).act(obs).actions))
+        True
+        >>> policy.stream_state([0, 1])[1].tolist()
+        [1, 1]
+    """
+
+    weight_version: int
+    """Increases with every weight change; outputs carry the version they were made with."""
+
+    def act(self, obs: Mapping[str, Any], *, counters: torch.Tensor | None = None, **kwargs: Any) -> PolicyOutput:
+        """`Policy.act` (same arguments); with `counters` ((N,) ints) it changes no stream.
+
+        Env i then draws from (seed_i, counters_i); `seeds` may not be given with `counters`.
+        """
+        ...
+
+    def stream_state(self, env_ids: Sequence[int] | torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Copies of the (seeds, counters) of `env_ids`, each (N,) int64 on the policy device; changes nothing."""
+        ...
+
+    def advance_streams(self, env_ids: Sequence[int] | torch.Tensor, counters: torch.Tensor) -> None:
+        """Records a call made with `counters`: the counters of `env_ids` become ``counters + 1``."""
+        ...
+
+    def sync_weights(self, source: Any, **kwargs: Any) -> Any:
+        """Loads new weights (and raises `weight_version`); returns a report."""
+        ...
+
+
+@runtime_checkable
+class BatchSizePolicy(Protocol):
+    """A policy that prepares for the batch sizes it will be called with (DESIGN C2's last sentence).
+
+    `PolicyVectorEnv` declares, at construction, every batch size it will pass to ``act`` (N, or each env
+    group's size), so that a policy with captured graphs captures those sizes and pays for no larger bucket.
+    """
+
+    def declare_batch_sizes(self, sizes: Sequence[int]) -> Any:
+        """Prepares for calls of these batch sizes (distinct positive ints); what it returns is not used."""
         ...

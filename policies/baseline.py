@@ -14,7 +14,7 @@ from typing import Any
 import torch
 
 from policies.base import PolicyOutput, RolloutConfig
-from policies.rng import STREAM_AUX, StreamTable, normal
+from policies.rng import STREAM_AUX, StreamTable, explicit_counters, normal
 
 IdsLike = Sequence[int] | torch.Tensor | None
 
@@ -101,10 +101,18 @@ class GaussianPolicy:
         seeds: Sequence[int] | torch.Tensor | None = None,
         env_ids: Sequence[int] | torch.Tensor | None = None,
         action_chunk: int | None = None,
+        counters: torch.Tensor | None = None,
     ) -> PolicyOutput:
-        """(N, C, A) Gaussian actions; log-probs of the drawn actions (0 when deterministic)."""
+        """(N, C, A) Gaussian actions; log-probs of the drawn actions (0 when deterministic).
+
+        With `counters` the call draws from them and leaves the stream table as it is (`StreamPolicy`).
+        """
         n, chunk = batch_size(obs), resolve_chunk("GaussianPolicy.act", action_chunk, self.action_horizon)
         ids, upper = _ids(env_ids, n, self.device)
+        if counters is not None:
+            explicit = explicit_counters("GaussianPolicy.act", counters, n, self.device, seeds)
+            stream_seeds = self.streams.take(ids, upper=upper, advance=False)[0]
+            return self._draw(n, chunk, deterministic, stream_seeds, explicit)
         if seeds is not None:
             seed_t = torch.as_tensor(seeds, dtype=torch.int64)
             if seed_t.ndim != 0 and tuple(seed_t.shape) != (n,):
@@ -113,7 +121,12 @@ class GaussianPolicy:
                     f"{tuple(seed_t.shape)}."
                 )
             self.streams.set_seeds(ids, seed_t, upper=upper)
-        stream_seeds, counters = self.streams.take(ids, upper=upper)
+        stream_seeds, drawn = self.streams.take(ids, upper=upper)
+        return self._draw(n, chunk, deterministic, stream_seeds, drawn)
+
+    def _draw(
+        self, n: int, chunk: int, deterministic: bool, stream_seeds: torch.Tensor, counters: torch.Tensor
+    ) -> PolicyOutput:
         shape = (n, chunk, self.action_dim)
         if deterministic:
             z = torch.zeros(shape, device=self.device)
@@ -140,6 +153,18 @@ class GaussianPolicy:
     def value(self, obs: Mapping[str, Any], *, env_ids: IdsLike = None) -> torch.Tensor:
         """(N,) zeros: the baseline has no critic."""
         return torch.zeros(batch_size(obs), device=self.device)
+
+    def stream_state(self, env_ids: Sequence[int] | torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Copies of the (seeds, counters) of `env_ids`."""
+        ids, upper = _ids(env_ids, len(env_ids), self.device)
+        seeds, counters = self.streams.take(ids, upper=upper, advance=False)
+        return seeds.clone(), counters.clone()
+
+    def advance_streams(self, env_ids: Sequence[int] | torch.Tensor, counters: torch.Tensor) -> None:
+        """Records a call made with `counters` (see `StreamPolicy`)."""
+        ids, upper = _ids(env_ids, len(env_ids), self.device)
+        explicit = explicit_counters("GaussianPolicy.advance_streams", counters, len(ids), self.device)
+        self.streams.advance(ids, explicit, upper)
 
     def sync_weights(self, source: Mapping[str, Any]) -> dict[str, Any]:
         """Loads ``{"mean": (A,), "std": (A,)}`` (either optional); returns a small report."""

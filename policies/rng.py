@@ -89,6 +89,23 @@ def randint(seeds: torch.Tensor, counters: torch.Tensor, stream: int, high: torc
     return torch.clamp((u * high_t).to(torch.int64), max=(high_t - 1).to(torch.int64))
 
 
+def explicit_counters(where: str, counters: object, n: int, device: torch.device, seeds: object = None) -> torch.Tensor:
+    """`counters` of a side-effect-free call as (N,) int64 on `device`; refuses a bad shape or `seeds` beside it."""
+    if seeds is not None:
+        raise ValueError(
+            f"{where}: got both `seeds` and `counters`; a call with explicit counters draws from the streams' "
+            "current seeds and changes nothing. Fix: pass one of them (seed the streams first, then read "
+            "their counters with stream_state())."
+        )
+    counters_t = torch.as_tensor(counters)
+    if counters_t.shape != (n,) or counters_t.is_floating_point() or counters_t.dtype == torch.bool:
+        raise ValueError(
+            f"{where}: argument `counters` must be {n} integer counters (one per observation row), got "
+            f"{counters_t.dtype} of shape {tuple(counters_t.shape)}. Fix: pass stream_state(env_ids)[1]."
+        )
+    return counters_t.to(device=device, dtype=torch.int64)
+
+
 class StreamTable:
     """Per-env (seed, counter) pairs on a device, addressed by env id, growing on demand.
 
@@ -133,6 +150,11 @@ class StreamTable:
         if advance:
             self.counters[env_ids] = counters + 1
         return seeds, counters
+
+    def advance(self, env_ids: torch.Tensor, counters: torch.Tensor, upper: int | None = None) -> None:
+        """Record a call that drew from `counters`: the counters of `env_ids` become ``counters + 1``."""
+        self._grow(env_ids, upper)
+        self.counters[env_ids] = counters.to(device=self.device, dtype=torch.int64) + 1
 
     def state(self) -> tuple[torch.Tensor, torch.Tensor]:
         """A copy of the whole table (for tests that check streams are unchanged)."""

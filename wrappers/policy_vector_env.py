@@ -1,6 +1,7 @@
 """`PolicyVectorEnv`: a policy inside a Gymnasium vector env, one action chunk per step (DESIGN C2, C3).
 
-One `step()` executes C sub-steps on the inner (freezable, see `wrappers.freeze`) vector env. A sub-env
+One `step()` executes C sub-steps on the inner (freezable, see `wrappers.freeze`) vector env(s); env groups
+and cross-step prefetch (when the policy calls and env chunks run) live in `wrappers.pipeline`. A sub-env
 that ends at sub-step k is frozen for the rest of the chunk; at the chunk boundary finished sub-envs are
 reset, so the wrapper is a ``SAME_STEP`` autoreset env: the returned observation of a finished env is its
 reset observation and ``infos["final_obs"]``/``infos["final_info"]`` hold the terminal ones.
@@ -20,11 +21,7 @@ Info keys of a step (``(N, ...)`` arrays of the env's array type unless noted; e
 
 from __future__ import annotations
 
-import multiprocessing.connection
-import threading
-from collections.abc import Callable, Iterator, Mapping, Sequence
-from concurrent.futures import FIRST_COMPLETED, Future, ThreadPoolExecutor, as_completed, wait
-from dataclasses import dataclass
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 import numpy as np
@@ -34,10 +31,11 @@ from gymnasium.error import ClosedEnvironmentError
 from gymnasium.vector import AutoresetMode, VectorEnv, VectorWrapper
 from gymnasium.vector.utils import batch_space
 
-from policies.base import Policy, PolicyOutput
+from policies.base import BatchSizePolicy, Policy, PolicyOutput, StreamPolicy
 from wrappers._chunk import ChunkResult, ChunkRunner, concat, take_rows, to_numpy_tree
 from wrappers.episode_statistics import EpisodeStatistics
 from wrappers.freeze import FREEZABLE_KEY, require_freezable
+from wrappers.pipeline import CallSettings, EnvPipeline
 
 CANONICAL_KEYS = ("images", "state", "task")
 _FIX_OBS = (
@@ -55,18 +53,16 @@ def _check_canonical(keys: Sequence[str], where: str) -> None:
         )
 
 
-@dataclass
-class _Prefetch:
-    """A policy call started for a group's next step (cross-step prefetch), and what it must match to be used."""
+def enable_freezing(envs: Sequence[VectorEnv]) -> None:
+    """The one place where `PolicyVectorEnv` switches on the freezing of the envs it drives (DESIGN C2).
 
-    future: Future[tuple[PolicyOutput, Any]]  # the output and its actions in the env's array type
-    obs: Any  # the observation object it acts on (the group's `ChunkRunner.obs` when it started)
-    ids: torch.Tensor  # the group's env ids, on the stream table's device
-    seeds: torch.Tensor  # stream seeds of `ids` before the call
-    counters: torch.Tensor  # stream counters of `ids` before the call
-    weight_version: Any  # policy.weight_version when the call started
-    deterministic: bool
-    action_chunk: int
+    Chunk execution needs a finished sub-env to stay untouched until the chunk boundary, while a vector env
+    used on its own should keep the autoreset mode it declares. Every env here has passed `require_freezable`,
+    and the envs of `wrappers.freeze` freeze whenever a sub-env ends, so there is nothing to switch on yet; an
+    adapter whose envs freeze only on request is switched on here. It runs after every argument was checked,
+    so a refused construction leaves the envs as they were.
+    """
+    del envs  # nothing to switch on for the envs of wrappers.freeze
 
 
 class PolicyVectorEnv(VectorWrapper):
@@ -75,7 +71,8 @@ class PolicyVectorEnv(VectorWrapper):
     Args:
         env: a freezable vector env yielding canonical observations, or a sequence of G of them (env groups:
             the policy acts on group g+1 while group g steps in a thread; results equal one group).
-        policy: implements `policies.base.Policy`.
+        policy: implements `policies.base.Policy`. A `policies.base.BatchSizePolicy` is told, here, the batch
+            sizes it will be called with (N, or each group's size).
         action_chunk: C, env steps per `step()` (default ``policy.action_horizon``).
         groups: G, checked against the number of envs given (None = infer).
         deterministic: pass ``deterministic=True`` to ``policy.act``.
@@ -83,20 +80,17 @@ class PolicyVectorEnv(VectorWrapper):
         numpy_infos: convert every info leaf to numpy (gymnasium's ``DictInfoToList`` needs that; costs a
             device-to-host copy of the policy outputs).
         callback: called as ``callback(self, infos)`` after every step (e.g. to sync weights periodically).
-        prefetch: cross-step prefetch (needs a policy with a restorable ``streams`` table, see
-            `_check_prefetch`): as soon as group g has finished its chunk in ``step(None)``, the policy acts on
-            its new observation for the next step in a worker thread, while later groups still step (the group
-            that finishes last has its call started by the next ``step(None)``, once the first chunk's actions
-            are with its envs; so G=1 gains nothing from prefetch); the next
-            ``step(None)`` uses that output if it was made from the same observation, with the current weight
-            version and settings, and otherwise recomputes it. A discarded prefetch (stale, failed, or cancelled
-            by ``step(actions)``, ``reset()``, ``sync_weights()``, ``close()`` or before the `callback` runs)
-            has its envs' random streams restored, so results equal ``prefetch=False`` bit for bit.
-        env_concurrency: how many groups' env chunks may run at once (None = G). 1 runs the chunks one after
-            the other, in the order their actions were ready. Use it when all groups' envs share one resource (a
-            render GPU, a GPU simulator, fewer CPU cores than envs): there, concurrent chunks only share it, and
-            when the one that started last gets the larger share, the first one finishes late, its next policy
-            call starts late, and the stagger between the groups that overlap needs is lost. Results are
+        prefetch: cross-step prefetch (needs a `policies.base.StreamPolicy`): as soon as group g has finished
+            its chunk in ``step(None)``, the policy acts on its new observation for the next step in a worker
+            thread, with its envs' stream counters passed explicitly, so the call changes nothing until the
+            next ``step(None)`` uses it -- if it was made from the same observation, with the current weight
+            version and settings; otherwise the policy acts again. A discarded call (stale, failed, or
+            cancelled by ``step(actions)``, ``reset()``, ``sync_weights()``, ``close()`` or before the
+            `callback` runs) leaves nothing to undo, so results equal ``prefetch=False`` bit for bit. The group
+            that finishes last has its call started by the next ``step(None)``, so G=1 gains nothing from it
+            (see `wrappers.pipeline.EnvPipeline`).
+        env_concurrency: how many groups' env chunks may run at once (None = G); 1 runs them one after the
+            other, for groups whose envs share one resource (see `wrappers.pipeline.EnvPipeline`). Results are
             unchanged; only the timing moves.
 
     Example:
@@ -125,7 +119,6 @@ class PolicyVectorEnv(VectorWrapper):
         env_concurrency: int | None = None,
     ) -> None:
         envs = self._check_envs(env, groups)
-        concurrency = self._check_concurrency(env_concurrency, len(envs))
         if not isinstance(policy, Policy):
             raise TypeError(
                 f"PolicyVectorEnv: argument `policy` must implement policies.base.Policy (device, "
@@ -137,27 +130,16 @@ class PolicyVectorEnv(VectorWrapper):
         self.deterministic = deterministic
         self.numpy_infos = numpy_infos
         self.callback = callback
-        offsets = np.cumsum([0] + [e.num_envs for e in envs])
-        self._runners = [ChunkRunner(e, int(o)) for e, o in zip(envs, offsets)]
-        self._num_envs = int(offsets[-1])
+        self._num_envs = sum(e.num_envs for e in envs)
         self.action_chunk = self._check_chunk(action_chunk)
         self._setup_spaces(envs[0])
+        self._pipeline = EnvPipeline(envs, policy, prefetch=prefetch, env_concurrency=env_concurrency)
+        enable_freezing(envs)
+        if isinstance(policy, BatchSizePolicy):
+            policy.declare_batch_sizes(self._pipeline.batch_sizes)
         self._stats = EpisodeStatistics(self._num_envs) if episode_statistics else None
-        self._prefetch = bool(prefetch)
-        if self._prefetch:
-            self._check_prefetch(policy)
-        # prefetch: up to G chunks and G policy calls at once
-        workers = len(envs) * (2 if self._prefetch else 1)
-        self._pool = ThreadPoolExecutor(workers, "pve-group") if workers > 1 else None
-        self._prefetches: dict[int, _Prefetch] = {}
-        self._deferred: set[int] = set()  # groups whose prefetch waits for the next step's first chunk to start
-        # chunks beyond `env_concurrency` wait here, in the order they were submitted (Condition wakes FIFO)
-        self._env_slots = threading.Semaphore(concurrency) if concurrency < len(envs) else None
-        # a policy call and the device-to-host copy of its actions are queued together (see `_act_for_env`)
-        self._launch_gate = threading.Lock()
         self._pending_seeds: torch.Tensor | None = None
         self._is_closed = False
-        self._workers_broken = False
         self._ready = False
         self.last_output: PolicyOutput | None = None
         """The policy output of the latest `step(None)` (all groups concatenated)."""
@@ -182,30 +164,6 @@ class PolicyVectorEnv(VectorWrapper):
                 "[make_mujoco_env(num_envs=n // groups) for _ in range(groups)], or leave groups=None."
             )
         return envs
-
-    @staticmethod
-    def _check_concurrency(env_concurrency: int | None, groups: int) -> int:
-        if env_concurrency is None:
-            return groups
-        if isinstance(env_concurrency, bool) or not isinstance(env_concurrency, int) or env_concurrency < 1:
-            raise ValueError(
-                f"PolicyVectorEnv: argument `env_concurrency` must be None or an int >= 1, got "
-                f"{env_concurrency!r}. Fix: pass 1 to run the groups' env chunks one at a time, or None to run "
-                f"all {groups} group(s) at once."
-            )
-        return min(env_concurrency, groups)
-
-    @staticmethod
-    def _check_prefetch(policy: Policy) -> None:
-        """Prefetch needs ``policy.streams.seeds``/``.counters`` (env-id indexed tensors) to undo a discarded call."""
-        streams = getattr(policy, "streams", None)
-        if not all(isinstance(getattr(streams, name, None), torch.Tensor) for name in ("seeds", "counters")):
-            raise TypeError(
-                f"PolicyVectorEnv: argument `prefetch=True` needs a policy with a restorable random-stream table "
-                f"(`policy.streams.seeds` and `.counters` tensors indexed by env id, DESIGN C3), got "
-                f"{type(policy).__name__} without one. Fix: pass prefetch=False, or use policies.Pi05Policy or "
-                "policies.baseline.GaussianPolicy (or expose such a `streams` table on the policy)."
-            )
 
     def _check_chunk(self, action_chunk: int | None) -> int:
         horizon = int(self.policy.action_horizon)
@@ -266,12 +224,12 @@ class PolicyVectorEnv(VectorWrapper):
     @property
     def groups(self) -> int:
         """G, the number of env groups."""
-        return len(self._runners)
+        return len(self._pipeline.runners)
 
     @property
     def prefetch(self) -> bool:
         """Whether cross-step prefetch is on (fixed at construction)."""
-        return self._prefetch
+        return self._pipeline.prefetch
 
     def reset(
         self, *, seed: int | Sequence[int] | None = None, options: dict[str, Any] | None = None
@@ -281,34 +239,23 @@ class PolicyVectorEnv(VectorWrapper):
         ``options["reset_mask"]`` resets only the masked envs (their policy streams are not re-seeded).
         """
         self._check_open("reset")
-        self._cancel_prefetches()
         options = dict(options or {})
         mask = options.pop("reset_mask", None)
+        mask = None if mask is None else np.asarray(mask, dtype=bool)
         seeds = None if seed is None else ([seed + i for i in range(self.num_envs)] if isinstance(seed, int)
                                            else [int(s) for s in seed])  # fmt: skip
         if seeds is not None and len(seeds) != self.num_envs:
             raise ValueError(f"PolicyVectorEnv.reset: `seed` has {len(seeds)} entries, expected {self.num_envs}.")
-        obs_parts, info_parts = [], []
-        for runner in self._runners:
-            rows = slice(runner.offset, runner.offset + runner.num_envs)
-            sub = dict(options)
-            if mask is not None:
-                sub["reset_mask"] = np.asarray(mask, dtype=bool)[rows]
-            info: dict[str, Any] = {}
-            if mask is None or sub["reset_mask"].any():
-                _, info = runner.reset(None if seeds is None else seeds[rows], sub)
-            if runner.obs is None:
-                raise RuntimeError("PolicyVectorEnv.reset: a `reset_mask` reset needs a full reset() first.")
-            _check_canonical(list(runner.obs), "observations from `env`")
-            obs_parts.append(runner.obs)
-            info_parts.append(info)
+        obs_parts, info_parts = self._pipeline.reset(seeds, options, mask)
+        for obs in obs_parts:
+            _check_canonical(list(obs), "observations from `env`")
         if seeds is not None and mask is None:
             self._pending_seeds = torch.tensor(seeds, dtype=torch.int64)
         if self._stats is not None:
-            self._stats.to(self._runners[0].device)
-            self._stats.reset(None if mask is None else torch.as_tensor(np.asarray(mask, dtype=bool)))
+            self._stats.to(self._pipeline.runners[0].device)
+            self._stats.reset(None if mask is None else torch.as_tensor(mask))
         self._ready = True
-        infos = _concat_infos(info_parts, [r.num_envs for r in self._runners])
+        infos = _concat_infos(info_parts, [r.num_envs for r in self._pipeline.runners])
         return concat(obs_parts), (to_numpy_tree(infos) if self.numpy_infos else infos)
 
     def step(self, actions: Any = None) -> tuple[Any, Any, Any, Any, dict[str, Any]]:
@@ -318,42 +265,29 @@ class PolicyVectorEnv(VectorWrapper):
             raise RuntimeError("PolicyVectorEnv.step: call reset() before step().")
         if actions is not None:
             actions = self._check_actions(actions)
-            self._cancel_prefetches()
-        try:
-            results, outputs = self._run_groups(actions)
-        except (BrokenPipeError, EOFError, ConnectionResetError) as err:
-            self._workers_broken = True
-            raise self._worker_died("step", err) from err
+        settings = CallSettings(self.deterministic, self.action_chunk, self.action_dim, self.single_action_space.dtype)
+        results, outputs = self._pipeline.step(actions, settings, self._pending_seeds)
+        if actions is None:
+            self._pending_seeds = None
         return self._assemble(results, outputs)
 
     def sync_weights(self, *args: Any, **kwargs: Any) -> Any:
         """Passes through to ``policy.sync_weights(...)`` and returns its report (after cancelling prefetches)."""
-        sync = getattr(self.policy, "sync_weights", None)
-        if sync is None:
+        if not isinstance(self.policy, StreamPolicy):
             raise AttributeError(
-                f"PolicyVectorEnv.sync_weights: the policy ({type(self.policy).__name__}) has no "
-                "sync_weights(). "
+                f"PolicyVectorEnv.sync_weights: the policy ({type(self.policy).__name__}) does not implement "
+                "policies.base.StreamPolicy (weight_version, sync_weights(), stream_state(), advance_streams()). "
                 "Fix: use a policy with a weight-sync hook (policies.Pi05Policy)."
             )
-        self._cancel_prefetches()
-        return sync(*args, **kwargs)
+        self._pipeline.cancel()
+        return self.policy.sync_weights(*args, **kwargs)
 
     def close(self, **kwargs: Any) -> None:
         """Closes every group's env; later calls to step()/reset() raise."""
         if self._is_closed:
             return
         self._is_closed = True
-        self._cancel_prefetches()
-        if self._pool is not None:
-            self._pool.shutdown(wait=True)
-        for runner in self._runners:
-            if self._workers_broken or _dead_workers(runner.env):
-                _terminate_workers(runner.env)  # gymnasium's close() would wait on the dead pipe forever
-                continue
-            try:
-                runner.env.close(**kwargs)
-            except (BrokenPipeError, EOFError, ConnectionResetError):
-                _terminate_workers(runner.env)
+        self._pipeline.close(**kwargs)
 
     @property
     def closed(self) -> bool:
@@ -365,16 +299,6 @@ class PolicyVectorEnv(VectorWrapper):
         self._is_closed = value
 
     # ------------------------------------------------------------------------------------------ internals
-    def _worker_died(self, method: str, err: BaseException) -> RuntimeError:
-        """A clear error for a broken pipe to an async sub-env worker (the worker process died)."""
-        dead = [f"sub-env {r.offset + i} ({what})" for r in self._runners for i, what in _dead_workers(r.env, 1.0)]
-        return RuntimeError(
-            f"PolicyVectorEnv.{method}: a worker process of the async vector env died ({type(err).__name__}: "
-            f"{err}); expected every worker alive, got dead: {dead or 'unknown (a pipe broke)'}. The episode "
-            "state is lost. Fix: close() this wrapper (it terminates the remaining workers) and build a new env; "
-            "exit code -9 (SIGKILL) usually means the out-of-memory killer."
-        )
-
     def _check_actions(self, actions: Any) -> Any:
         shape = tuple(actions.shape) if hasattr(actions, "shape") else np.shape(actions)
         expected = (self.num_envs, self.action_chunk, self.action_dim)
@@ -385,202 +309,6 @@ class PolicyVectorEnv(VectorWrapper):
                 "Fix: pass one chunk per env, or step() / step(None) to let the policy act."
             )
         return actions
-
-    def _act(self, runner: ChunkRunner, pending_seeds: bool = True) -> PolicyOutput:
-        """One policy call on the group's current observation (with the seeds of a seeded reset, if pending)."""
-        ids = range(runner.offset, runner.offset + runner.num_envs)
-        seeds = None
-        if pending_seeds and self._pending_seeds is not None:
-            seeds = self._pending_seeds[runner.offset : runner.offset + runner.num_envs]
-        out = self.policy.act(
-            runner.obs,
-            deterministic=self.deterministic,
-            seeds=seeds,
-            env_ids=ids,
-            action_chunk=self.action_chunk,
-        )
-        expected = (runner.num_envs, self.action_chunk, self.action_dim)
-        if tuple(out.actions.shape) != expected:
-            raise ValueError(
-                f"PolicyVectorEnv.step: policy.act returned actions of shape {tuple(out.actions.shape)}, "
-                f"expected (N, C, A) = {expected}. Fix: make the policy slice its output to action_chunk and "
-                "the env's action dims."
-            )
-        return out
-
-    def _act_for_env(self, runner: ChunkRunner, pending_seeds: bool = True) -> tuple[PolicyOutput, Any]:
-        """One policy call and its actions in the env's array type.
-
-        For numpy envs the device-to-host copy of the actions is queued right behind the call, under a gate that
-        the next call (another group's prefetch) waits for, and only that copy is waited for. Otherwise a later
-        policy call queued on the same CUDA stream first would delay these actions by its whole duration: the
-        envs of both groups would then start together and the overlap would be lost.
-        """
-        with self._launch_gate:
-            out = self._act(runner, pending_seeds)
-            actions = out.actions
-            if not (runner.is_numpy and isinstance(actions, torch.Tensor) and actions.is_cuda):
-                return out, self._env_actions(runner, actions)
-            host = torch.empty(actions.shape, dtype=actions.dtype, pin_memory=True)
-            host.copy_(actions.detach(), non_blocking=True)
-            copied = torch.cuda.Event()
-            copied.record(torch.cuda.current_stream(actions.device))
-        copied.synchronize()
-        return out, self._env_actions(runner, host)
-
-    def _env_actions(self, runner: ChunkRunner, actions: Any) -> Any:
-        """Actions in the env's array type (numpy for numpy envs, torch on the env's device otherwise)."""
-        if runner.is_numpy:
-            host = actions.detach().cpu().numpy() if isinstance(actions, torch.Tensor) else np.asarray(actions)
-            return host.astype(self.single_action_space.dtype, copy=False)
-        return torch.as_tensor(actions).to(runner.device)
-
-    def _run_groups(self, actions: Any) -> tuple[list[ChunkResult], list[PolicyOutput]]:
-        """Policy on group g (main thread, or its prefetched output) while other groups step in worker threads.
-
-        With prefetches, a group's chunk starts as soon as its prefetched call is done, in the order the calls
-        finish (not in group order): waiting for group 0's call while group 1's actions are ready would start
-        both groups' envs together at every step and lock the groups in step, with nothing to overlap.
-        """
-        count = len(self._runners)
-        outputs: list[PolicyOutput | None] = [None] * count
-        pending: list[Any] = [None] * count
-        deferred, self._deferred = (self._deferred if actions is None else set()), set()
-        for g in self._group_order(actions is None, deferred):
-            runner = self._runners[g]
-            if actions is None:
-                out, env_actions = self._take_prefetch(g, runner) or self._act_for_env(runner)
-                outputs[g] = out
-                deferred.discard(g)
-            else:
-                env_actions = self._env_actions(runner, actions[runner.offset : runner.offset + runner.num_envs])
-            if self._pool is None:
-                pending[g] = runner.run(env_actions)
-                continue
-            started = threading.Event() if deferred else None
-            pending[g] = self._pool.submit(self._run_chunk, runner, env_actions, started)
-            if started is not None:  # the deferred calls start once this chunk's actions are with its envs
-                started.wait()
-                for d in sorted(deferred):
-                    self._start_prefetch(d, self._runners[d])
-                deferred.clear()
-        if actions is None:
-            self._pending_seeds = None
-        acted = outputs if actions is None else []  # explicit actions: no policy outputs
-        if self._prefetch and actions is None:
-            return self._collect_and_prefetch(pending), acted
-        results = [p if isinstance(p, ChunkResult) else p.result() for p in pending]
-        return results, acted
-
-    def _run_chunk(self, runner: ChunkRunner, env_actions: Any, started: threading.Event | None) -> ChunkResult:
-        """`runner.run` in a worker thread, holding one of the `env_concurrency` slots if they are limited."""
-        if self._env_slots is None:
-            return runner.run(env_actions, started)
-        with self._env_slots:
-            return runner.run(env_actions, started)
-
-    def _group_order(self, policy_step: bool, deferred: set[int]) -> Iterator[int]:
-        """Group indices in the order their chunks should start.
-
-        Groups whose prefetched call has finished come first, then groups without a prefetch (acted on now, on
-        this thread), then the others as their calls finish. A group in `deferred` (its call starts after the
-        first chunk has, see `_collect_and_prefetch`) is not acted on here while a prefetch is still running.
-        """
-        remaining = list(range(len(self._runners)))
-        while remaining:
-            if not (policy_step and self._prefetches):
-                yield remaining.pop(0)
-                continue
-            waiting = {g: self._prefetches[g].future for g in remaining if g in self._prefetches}
-            ready = [g for g, future in waiting.items() if future.done()]
-            g = ready[0] if ready else next((g for g in remaining if g not in waiting and g not in deferred), None)
-            if g is None and not waiting:
-                g = remaining[0]
-            if g is None:
-                wait(list(waiting.values()), return_when=FIRST_COMPLETED)
-                continue
-            remaining.remove(g)
-            yield g
-
-    # ------------------------------------------------------------------------------------- cross-step prefetch
-    def _collect_and_prefetch(self, pending: list[Future[ChunkResult]]) -> list[ChunkResult]:
-        """Waits for the groups' chunks; as each group but the last finishes, starts its next step's policy call.
-
-        The last group's call is deferred: started now, its host side (preprocessing, copies, graph launches,
-        holding the GIL) would run just as `step` returns and delay the next `step` handing the first group's
-        actions to its envs (measured on the H200: ~4 ms of every step). The next `step` starts it once the
-        first chunk's actions are with the envs (`ChunkRunner.run`'s `started`).
-        """
-        group_of = {future: g for g, future in enumerate(pending)}
-        results: list[ChunkResult | None] = [None] * len(pending)
-        for left, future in enumerate(as_completed(pending), start=1 - len(pending)):
-            g = group_of[future]
-            results[g] = future.result()
-            if left:
-                self._start_prefetch(g, self._runners[g])
-            else:
-                self._deferred = {g}
-        return results  # type: ignore[return-value]
-
-    def _start_prefetch(self, g: int, runner: ChunkRunner) -> None:
-        """Snapshots the group's random streams and submits `policy.act` on its current observation."""
-        assert self._pool is not None and g not in self._prefetches
-        table = self.policy.streams  # type: ignore[attr-defined]
-        ids = torch.arange(runner.offset, runner.offset + runner.num_envs, device=table.seeds.device)
-        seeds, counters = _stream_rows(table, ids)
-        self._prefetches[g] = _Prefetch(
-            future=self._pool.submit(self._act_for_env, runner, False),  # seeds of a seeded reset: reset() cancels
-            obs=runner.obs,
-            ids=ids,
-            seeds=seeds,
-            counters=counters,
-            weight_version=getattr(self.policy, "weight_version", None),
-            deterministic=self.deterministic,
-            action_chunk=self.action_chunk,
-        )
-
-    def _take_prefetch(self, g: int, runner: ChunkRunner) -> tuple[PolicyOutput, Any] | None:
-        """The prefetched (output, env actions) of group g if still valid; else None (its streams restored)."""
-        record = self._prefetches.pop(g, None)
-        if record is None:
-            return None
-        try:
-            out, env_actions = record.future.result()
-        except Exception:  # recomputed on the main thread, which raises the error where it belongs
-            out = env_actions = None
-        version = getattr(self.policy, "weight_version", None)
-        valid = (
-            out is not None
-            and record.obs is runner.obs
-            and self._pending_seeds is None
-            and record.deterministic == self.deterministic
-            and record.action_chunk == self.action_chunk
-            and record.weight_version == version
-            and (version is None or out.header.weight_version == version)
-        )
-        if valid:
-            return out, env_actions
-        self._restore_streams(record)
-        return None
-
-    def _cancel_prefetches(self) -> None:
-        """Waits for every pending prefetch, restores its envs' random streams and drops it (and the deferred)."""
-        self._deferred = set()
-        while self._prefetches:
-            _, record = self._prefetches.popitem()
-            try:
-                record.future.result()
-            except Exception:  # a failed call is discarded like any other; its streams are restored below
-                pass
-            self._restore_streams(record)
-
-    def _restore_streams(self, record: _Prefetch) -> None:
-        """Puts back the seeds/counters of the prefetch's env ids (only those rows: other groups use other ids)."""
-        table = self.policy.streams  # type: ignore[attr-defined]
-        size = table.seeds.shape[0]
-        keep = record.ids < size
-        table.seeds[record.ids[keep]] = record.seeds[keep].to(table.seeds.device)
-        table.counters[record.ids[keep]] = record.counters[keep].to(table.counters.device)
 
     def _final_values(self, result: ChunkResult, group: ChunkRunner) -> torch.Tensor:
         """(n,) critic on the terminal observations of finished envs, 0 elsewhere."""
@@ -614,7 +342,8 @@ class PolicyVectorEnv(VectorWrapper):
         if outputs:
             self.last_output = _concat_outputs(outputs)
             policy_info = self.last_output.as_info()
-        policy_info["final_value"] = torch.cat([self._final_values(r, g) for r, g in zip(results, self._runners)])
+        finals = [self._final_values(r, g) for r, g in zip(results, self._pipeline.runners)]
+        policy_info["final_value"] = torch.cat(finals)
         # The mask lives with the env's arrays (numpy envs get a numpy mask); the dict stays on the policy device.
         infos.update(policy=policy_info, _policy=torch.ones_like(done))
         infos.update(final_obs=concat([r.final_obs for r in results]), _final_obs=done)
@@ -625,9 +354,9 @@ class PolicyVectorEnv(VectorWrapper):
             infos.update(success=success_end, _success=all_true)
         if self._stats is not None:
             episode = self._stats.update(rewards, substep_mask.sum(1), done, success_any, success_end)
-            if not self._runners[0].is_numpy or bool(done.any()):  # numpy envs: only when one ended
+            if not self._pipeline.runners[0].is_numpy or bool(done.any()):  # numpy envs: only when one ended
                 infos.update(episode=episode, _episode=done)
-        if self._runners[0].is_numpy:
+        if self._pipeline.runners[0].is_numpy:
             rewards, terminated, truncated = rewards.numpy(), terminated.numpy(), truncated.numpy()
             infos = {k: (v.numpy() if isinstance(v, torch.Tensor) else v) for k, v in infos.items()}
             if "episode" in infos:
@@ -636,7 +365,7 @@ class PolicyVectorEnv(VectorWrapper):
             infos = to_numpy_tree(infos)
         obs = concat([r.obs for r in results])
         if self.callback is not None:
-            self._cancel_prefetches()  # the callback may change the policy (weights, streams, settings)
+            self._pipeline.cancel()  # the callback may change the policy (weights, streams, settings)
             self.callback(self, infos)
         return obs, rewards, terminated, truncated, infos
 
@@ -647,52 +376,6 @@ class PolicyVectorEnv(VectorWrapper):
         success_any = torch.cat([zeros(r) if r.success_any is None else r.success_any for r in results])
         success_end = torch.cat([zeros(r) if r.success_end is None else r.success_end for r in results])
         return success_any, success_end
-
-
-def _stream_rows(table: Any, ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """Copies of the (seeds, counters) rows `ids` of a stream table.
-
-    Rows the table has not grown to yet read as the defaults it would grow them with (seed = env id, counter 0).
-    """
-    size = table.seeds.shape[0]
-    inside = ids < size
-    rows = torch.where(inside, ids, 0)
-    seeds = torch.where(inside, table.seeds[rows], ids)
-    counters = torch.where(inside, table.counters[rows], 0)
-    return seeds.clone(), counters.clone()
-
-
-def _dead_workers(env: VectorEnv, wait_s: float = 0.0) -> list[tuple[int, str]]:
-    """(index, "pid P, exit code E") of the exited worker processes of an async vector env (none for others).
-
-    `wait_s` bounds a wait for any worker to exit (a killed worker's pipe may report EOF a moment before the
-    process can be reaped).
-    """
-    processes = getattr(env, "processes", None) or []
-    live = [p.sentinel for p in processes if p.exitcode is None]
-    if wait_s > 0 and live:
-        multiprocessing.connection.wait(live, timeout=wait_s)
-    return [(i, f"pid {p.pid}, exit code {p.exitcode}") for i, p in enumerate(processes) if p.exitcode is not None]
-
-
-def _terminate_workers(env: VectorEnv, timeout_s: float = 10.0) -> None:
-    """Closes an async vector env whose pipes are broken: terminate live workers, close pipes, mark closed.
-
-    Uses AsyncVectorEnv's public ``processes``/``parent_pipes`` attributes; its own ``close()`` would wait
-    for a reply from the dead worker.
-    """
-    for process in getattr(env, "processes", None) or []:
-        if process.is_alive():
-            process.terminate()
-    for process in getattr(env, "processes", None) or []:
-        process.join(timeout_s)
-        if process.is_alive():
-            process.kill()
-            process.join(timeout_s)
-    for pipe in getattr(env, "parent_pipes", None) or []:
-        if pipe is not None:
-            pipe.close()
-    env.closed = True
 
 
 def _concat_outputs(outputs: list[PolicyOutput]) -> PolicyOutput:

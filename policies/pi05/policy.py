@@ -17,7 +17,7 @@ from typing import Any
 import torch
 
 from ..base import PolicyOutput, RolloutConfig
-from ..rng import StreamTable
+from ..rng import StreamTable, explicit_counters
 from .attention import AttentionConfig
 from .batch import RolloutBatch, StoredPrefix
 from .checkpoint import LoadReport, load_config, load_weights, save_weights
@@ -225,13 +225,17 @@ class Pi05Policy(WeightSyncMixin):
             upper = int(ids.max()) + 1
         return ids.to(self.device), upper or n
 
-    def _streams(self, n: int, seeds, env_ids) -> tuple[torch.Tensor, torch.Tensor, Any]:
+    def _streams(self, n: int, seeds, env_ids, counters=None) -> tuple[torch.Tensor, torch.Tensor, Any]:
         """(seeds, counters) a call draws from, and a `commit()` that records the call in the table.
 
         Nothing in the table changes until `commit()` (after the call succeeded): a refused call leaves every
-        stream as it was (C3).
+        stream as it was (C3). With explicit `counters` (`StreamPolicy`) the call draws from them and
+        `commit()` changes nothing.
         """
         ids, upper = self._env_ids(n, env_ids)
+        if counters is not None:
+            explicit = explicit_counters("Pi05Policy.act", counters, n, self.device, seeds)
+            return self.streams.take(ids, upper, advance=False)[0], explicit, lambda: None
         seed_t = None
         if seeds is not None:
             seed_t = torch.as_tensor(seeds, dtype=torch.int64)
@@ -247,9 +251,22 @@ class Pi05Policy(WeightSyncMixin):
         def commit() -> None:
             if seed_t is not None:
                 self.streams.set_seeds(ids, seed_t, upper)
-            self.streams.counters[ids] = counters + 1
+            self.streams.advance(ids, counters, upper)
 
         return current, counters, commit
+
+    def stream_state(self, env_ids: Sequence[int] | torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Copies of the (seeds, counters) of `env_ids` (`StreamPolicy`); changes no stream."""
+        with self._lock:
+            seeds, counters, _ = self._streams(len(env_ids), None, env_ids)
+            return seeds.clone(), counters.clone()
+
+    def advance_streams(self, env_ids: Sequence[int] | torch.Tensor, counters: torch.Tensor) -> None:
+        """Records a call made with explicit `counters`: theirs become ``counters + 1`` (`StreamPolicy`)."""
+        with self._lock:
+            ids, upper = self._env_ids(len(env_ids), env_ids)
+            explicit = explicit_counters("Pi05Policy.advance_streams", counters, len(ids), self.device)
+            self.streams.advance(ids, explicit, upper)
 
     def act_inputs(
         self,
@@ -259,12 +276,13 @@ class Pi05Policy(WeightSyncMixin):
         seeds: Sequence[int] | torch.Tensor | None = None,
         env_ids: Sequence[int] | torch.Tensor | None = None,
         action_chunk: int | None = None,
+        counters: torch.Tensor | None = None,
     ) -> PolicyOutput:
         """`act()` on already processed inputs."""
         self._check_open()
         opts = self.sampling_options(deterministic, action_chunk)
         with self._lock:
-            seeds_t, counters, commit_streams = self._streams(inputs.batch_size, seeds, env_ids)
+            seeds_t, counters, commit_streams = self._streams(inputs.batch_size, seeds, env_ids, counters)
             with self._weights_in_use():  # weight sync (C6): ordered after the last commit, before the next
                 out, inds = self.scheduler.rollout(inputs, seeds_t, counters, opts, self.rollout.keep_prefix)
             commit_streams()
@@ -292,13 +310,22 @@ class Pi05Policy(WeightSyncMixin):
         seeds: Sequence[int] | torch.Tensor | None = None,
         env_ids: Sequence[int] | torch.Tensor | None = None,
         action_chunk: int | None = None,
+        counters: torch.Tensor | None = None,
     ) -> PolicyOutput:
-        """Actions (N, C, A), log-probs, values and what `evaluate()` needs, for N canonical observations."""
+        """Actions (N, C, A), log-probs, values and what `evaluate()` needs, for N canonical observations.
+
+        With `counters` ((N,) ints) the call draws from them and changes no stream (`StreamPolicy`).
+        """
         self._check_open()
         with self._lock:
             inputs = self.processor(obs)
             return self.act_inputs(
-                inputs, deterministic=deterministic, seeds=seeds, env_ids=env_ids, action_chunk=action_chunk
+                inputs,
+                deterministic=deterministic,
+                seeds=seeds,
+                env_ids=env_ids,
+                action_chunk=action_chunk,
+                counters=counters,
             )
 
     def value(

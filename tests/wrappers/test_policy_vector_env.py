@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import warnings
+
 import gymnasium as gym
 import numpy as np
 import pytest
@@ -10,6 +12,8 @@ from gymnasium.vector import AutoresetMode, SyncVectorEnv
 from gymnasium.wrappers.vector import DictInfoToList, RecordEpisodeStatistics
 
 from policies.baseline import ConstantPolicy, GaussianPolicy
+from policies.pi05.config import Pi05Config
+from policies.pi05.policy import Pi05Policy
 from wrappers.adapters.scripted import ScriptedEnv, make_scripted_env
 from wrappers.policy_vector_env import PolicyVectorEnv
 
@@ -245,3 +249,99 @@ def test_missing_observation_key_is_refused():
     with pytest.raises(KeyError, match=r"missing \['task'\].*Fix"):
         PolicyVectorEnv(env, GaussianPolicy(A, 4), action_chunk=2)
     env.close()
+
+
+# ---------------------------------------------------------------------------------------------- final values
+class CriticGaussian(GaussianPolicy):
+    """GaussianPolicy with a critic that is >= 1 everywhere and differs per observation and per env id."""
+
+    def value(self, obs, *, env_ids=None):
+        state = torch.as_tensor(obs["state"])
+        ids = torch.arange(state.shape[0]) if env_ids is None else torch.as_tensor(list(env_ids))
+        # step in episode, episode index, reset noise: the terminal and the reset observation differ
+        return (1.0 + state[:, 0] + 10.0 * state[:, 1] + 1e-3 * state[:, 2] + 1e3 * ids).to(torch.float32)
+
+
+class TorchObservations(gym.vector.VectorWrapper):
+    """Serves a numpy vector env's observations and flags as torch tensors (the path of GPU simulators)."""
+
+    def _obs(self, obs):
+        images = {name: torch.as_tensor(image) for name, image in obs["images"].items()}
+        return {"images": images, "state": torch.as_tensor(obs["state"]), "task": tuple(obs["task"])}
+
+    def reset(self, **kwargs):
+        obs, info = self.env.reset(**kwargs)
+        return self._obs(obs), info
+
+    def step(self, actions):
+        obs, rewards, terms, truncs, info = self.env.step(actions.cpu().numpy())
+        return self._obs(obs), torch.as_tensor(rewards), torch.as_tensor(terms), torch.as_tensor(truncs), info
+
+
+def tiny_pi05():
+    """A tiny PI0.5 (random weights, value head on the prefix) for the scripted env's 8x8 image and 4-dim state."""
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # stand-in tokenizer, no norm statistics: expected for a random policy
+        return Pi05Policy.from_config(
+            Pi05Config.tiny(), action_dim=A, tokenizer="phyai-standin", camera_map={"image": "base_0_rgb"}, state_dim=4
+        )
+
+
+@pytest.mark.parametrize("variant", ["numpy", "numpy_groups", "torch", "pi05"])
+def test_final_value_is_the_critic_on_final_obs_of_finished_envs_and_zero_elsewhere(variant):
+    lengths = [(2, 5), (3,), (7, 1), (4, 4)]
+    policy = tiny_pi05() if variant == "pi05" else CriticGaussian(A, action_horizon=8)
+    atol = 1e-6 if variant == "pi05" else 0  # PI0.5: float sums of the wrapper's batch (finished rows only) differ
+    if variant == "numpy_groups":
+        env = [make_scripted_env(2, episode_lengths=lengths[:2]), make_scripted_env(2, episode_lengths=lengths[2:])]
+    else:
+        env = make_scripted_env(4, episode_lengths=lengths)
+        env = TorchObservations(env) if variant == "torch" else env
+    wrapper = PolicyVectorEnv(env, policy, action_chunk=C)
+    wrapper.reset(seed=3)
+    finished = unfinished = 0
+    for _ in range(5):
+        obs, _, terms, truncs, info = wrapper.step()
+        done = torch.as_tensor(terms | truncs)
+        final_value = info["policy"]["final_value"]
+        expected = policy.value(info["final_obs"], env_ids=range(4))
+        assert (expected.abs() > 1e-3).all()  # the critic is non-zero on every row
+        reset_values = policy.value(obs, env_ids=range(4))  # finished envs: the reset observation differs
+        assert not torch.isclose(expected, reset_values, rtol=0, atol=1e-4)[done].any()
+        torch.testing.assert_close(final_value[~done], torch.zeros(int((~done).sum())), rtol=0, atol=0)
+        torch.testing.assert_close(final_value, torch.where(done, expected, 0.0), rtol=0, atol=atol)
+        finished, unfinished = finished + int(done.sum()), unfinished + int((~done).sum())
+    assert finished >= 4 and unfinished >= 4
+    wrapper.close()
+
+
+# ---------------------------------------------------------------------------------------------- batch sizes
+class DeclaringGaussian(GaussianPolicy):
+    """Records what `declare_batch_sizes` (policies.base.BatchSizePolicy) was told, and the batch sizes of `act`."""
+
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.declared, self.acted = [], set()
+
+    def declare_batch_sizes(self, sizes):
+        self.declared.append(tuple(sizes))
+
+    def act(self, obs, **kwargs):
+        self.acted.add(len(obs["task"]))
+        return super().act(obs, **kwargs)
+
+
+@pytest.mark.parametrize("sizes", [(4,), (2, 2), (3, 1)], ids=["G1", "G2", "G2_uneven"])
+def test_wrapper_declares_the_batch_sizes_it_calls(sizes):
+    policy = DeclaringGaussian(A, action_horizon=8)
+    envs = [make_scripted_env(n, episode_lengths=[(3,)] * n) for n in sizes]
+    wrapper = PolicyVectorEnv(envs if len(envs) > 1 else envs[0], policy, action_chunk=C)
+    assert policy.declared == [tuple(sorted(set(sizes)))]  # once, at construction, before any call
+    wrapper.reset(seed=0)
+    for _ in range(3):
+        wrapper.step()
+    assert policy.acted == set(sizes)
+    wrapper.close()
+    with pytest.raises(ValueError, match="action_chunk"):  # a refused construction declares nothing
+        PolicyVectorEnv(make_scripted_env(2), policy, action_chunk=9)
+    assert len(policy.declared) == 1

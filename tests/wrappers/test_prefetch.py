@@ -1,5 +1,5 @@
 """Cross-step prefetch of PolicyVectorEnv (``prefetch=True``): results equal ``groups=1`` / ``prefetch=False`` bit
-for bit; stale or cancelled prefetches are discarded with the policy's random streams restored (DESIGN C2, C3, C6).
+for bit; a speculative call changes no random stream, and stale or cancelled ones are discarded (DESIGN C2, C3, C6).
 """
 
 from __future__ import annotations
@@ -25,23 +25,37 @@ LENGTHS = [(2, 5), (3,), (7, 1), (4, 4)]  # episodes end inside chunks and at ch
 
 
 class CountingGaussian(GaussianPolicy):
-    """GaussianPolicy that counts `act` calls and can fail the calls made from worker threads (prefetches)."""
+    """GaussianPolicy that counts `act` calls, tells speculative ones (explicit `counters`) apart, can wait for
+    them to finish, and can fail the speculative calls whose index (0, 1, ... in start order) is in `fail`."""
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
-        self.calls = self.failures = 0
-        self.fail_in_threads = False
-        self._count_lock = threading.Lock()
+        self.calls = self.failures = self.speculative = self.speculative_done = 0
+        self.fail: set[int] = set()
+        self._cond = threading.Condition()
 
     def act(self, obs: Any, **kwargs: Any) -> Any:
-        with self._count_lock:
+        speculative = kwargs.get("counters") is not None
+        with self._cond:
             self.calls += 1
-        out = super().act(obs, **kwargs)  # advances the streams first: a failure must still be undone
-        if self.fail_in_threads and threading.current_thread() is not threading.main_thread():
-            with self._count_lock:
-                self.failures += 1
-            raise RuntimeError("injected prefetch failure")
-        return out
+            index = self.speculative
+            self.speculative += speculative
+        try:
+            out = super().act(obs, **kwargs)
+            if speculative and index in self.fail:
+                with self._cond:
+                    self.failures += 1
+                raise RuntimeError("injected prefetch failure")
+            return out
+        finally:
+            with self._cond:
+                self.speculative_done += speculative
+                self._cond.notify_all()
+
+    def wait_speculative(self, count: int) -> None:
+        """Blocks until `count` speculative calls have finished (a synchronisation, not a timing)."""
+        with self._cond:
+            assert self._cond.wait_for(lambda: self.speculative_done >= count, timeout=60), self.speculative_done
 
 
 def make_wrapper(policy: Any, groups: int = 2, prefetch: bool = True, **kwargs: Any) -> PolicyVectorEnv:
@@ -97,6 +111,12 @@ def script(wrapper: PolicyVectorEnv, actions_rng: np.random.Generator) -> list[d
     return records
 
 
+def speculative_after(steps: int) -> int:
+    """Speculative calls G=2 has started after `steps` policy steps: 1 at the end of the first step (the group
+    that finished first), then 2 per step (the deferred one, once the first chunk started, and 1 at the end)."""
+    return 2 * steps - 1
+
+
 # ------------------------------------------------------------------------------------------------ equality
 def test_prefetch_equals_one_group_and_no_prefetch_and_is_used() -> None:
     runs = {}
@@ -105,17 +125,20 @@ def test_prefetch_equals_one_group_and_no_prefetch_and_is_used() -> None:
         wrapper = make_wrapper(policy, groups, prefetch)
         wrapper.reset(seed=5)
         runs[name] = [snapshot(wrapper.step()) for _ in range(8)]
-        # prefetch: the group that finished first has its next call running, the last one's call is deferred
-        assert len(wrapper._prefetches) == len(wrapper._deferred) == (1 if prefetch else 0)
-        wrapper.close()  # waits for (and undoes) the pending prefetch
-        # prefetch: every step after the first used prefetched outputs; 1 was pending at close()
-        assert policy.calls == (2 * 8 + 1 if prefetch else groups * 8)
-        runs[name + "_streams"] = policy.streams.state()
+        if prefetch:  # the speculative call of the group that finished first is done but not used yet
+            policy.wait_speculative(speculative_after(8))
+            # every step after the first used speculative outputs: 2 plain calls, then only speculative ones
+            assert (policy.calls, policy.speculative) == (2 + speculative_after(8), speculative_after(8))
+        else:
+            assert (policy.calls, policy.speculative) == (groups * 8, 0)
+        runs[name + "_streams"] = policy.streams.state()  # with an unused speculative call in hand
+        wrapper.close()
+        assert runs[name + "_streams"][1].equal(policy.streams.state()[1])  # close() had nothing to undo
     assert any(r["terminated"].any() for r in runs["G1"])  # reset observations of finished envs are acted on
     for a, b, c in zip(runs["G1"], runs["G2"], runs["G2_prefetch"]):
         assert_same(a, b)
         assert_same(a, c)
-    for x, y in zip(runs["G1_streams"], runs["G2_prefetch_streams"]):  # close() undid the pending prefetches
+    for x, y in zip(runs["G1_streams"], runs["G2_prefetch_streams"]):  # speculative calls changed no stream
         assert torch.equal(x, y)
 
 
@@ -134,16 +157,15 @@ def test_explicit_actions_syncs_and_resets_cancel_prefetch() -> None:
 
 
 @pytest.mark.parametrize("cancel", ["step_actions", "reset", "sync_weights", "close"])
-def test_each_cancel_path_restores_exactly_the_streams(cancel: str) -> None:
-    plain, fetched = GaussianPolicy(A, 8, std=0.3), GaussianPolicy(A, 8, std=0.3)
+def test_speculative_calls_change_no_stream_and_each_cancel_path_drops_them(cancel: str) -> None:
+    plain, fetched = GaussianPolicy(A, 8, std=0.3), CountingGaussian(A, 8, std=0.3)
     ref, env = make_wrapper(plain, 1, False), make_wrapper(fetched, 2, True)
     for wrapper in (ref, env):
         wrapper.reset(seed=2)
         wrapper.step()
-    assert len(env._prefetches) == len(env._deferred) == 1
-    for record in env._prefetches.values():
-        record.future.result()
-    assert not torch.equal(plain.streams.counters, fetched.streams.counters)  # the prefetches advanced them
+    fetched.wait_speculative(1)
+    for x, y in zip(plain.streams.state(), fetched.streams.state()):  # a finished speculative call changed nothing
+        assert torch.equal(x, y)
     for wrapper in (ref, env):
         if cancel == "step_actions":
             wrapper.step(np.zeros((N, C, A), np.float32))
@@ -153,11 +175,13 @@ def test_each_cancel_path_restores_exactly_the_streams(cancel: str) -> None:
             wrapper.sync_weights({"std": torch.full((A,), 0.2)})
         else:
             wrapper.close()
-    assert not env._prefetches and not env._deferred
     for x, y in zip(plain.streams.state(), fetched.streams.state()):
         assert torch.equal(x, y)
     if cancel != "close":
+        calls = fetched.calls
         assert_same(snapshot(ref.step()), snapshot(env.step()))
+        fetched.wait_speculative(2)
+        assert fetched.calls - calls == 2 + 1  # the dropped call was not used: both groups called anew (+ 1 new)
     ref.close()
     env.close()
 
@@ -170,15 +194,14 @@ def test_weight_change_behind_the_wrapper_and_failed_prefetch_are_recomputed() -
         policy = CountingGaussian(A, action_horizon=8, std=0.3)
         wrapper = make_wrapper(policy, groups, prefetch)
         wrapper.reset(seed=9)
+        policy.fail = {speculative_after(3), speculative_after(3) + 1}  # the two started in step 4 (t = 3)
         rec = []
         for t in range(6):
             if t == 2:
                 policy.sync_weights({"mean": torch.full((A,), -0.25)})  # bypasses the wrapper
-            policy.fail_in_threads = t == 3  # the prefetches started in step 3 fail
             rec.append(snapshot(wrapper.step()))
-            for record in wrapper._prefetches.values():
-                record.future.exception()  # wait, so that the flag applies to exactly these calls
-        policy.fail_in_threads = False
+            if prefetch:  # let the speculative calls finish, so that the sync above lands between calls
+                policy.wait_speculative(speculative_after(t + 1))
         wrapper.close()
         runs[name] = rec
         assert policy.failures == (2 if prefetch else 0)
@@ -190,10 +213,10 @@ def test_callback_sees_no_pending_prefetch_and_results_equal() -> None:
     seen: dict[str, list] = {"G1": [], "G2_prefetch": []}
     runs = {}
     for name, groups, prefetch in [("G1", 1, False), ("G2_prefetch", 2, True)]:
-        policy = GaussianPolicy(A, action_horizon=8, std=0.3)
+        policy = CountingGaussian(A, action_horizon=8, std=0.3)
 
         def callback(env: PolicyVectorEnv, info: dict, name: str = name, policy: Any = policy) -> None:
-            assert not env._prefetches
+            assert policy.speculative_done == policy.speculative  # no speculative call is running
             seen[name].append(policy.streams.counters[:N].clone())
             if len(seen[name]) == 2:
                 env.sync_weights({"mean": torch.full((A,), 1.0)})
@@ -218,7 +241,7 @@ def test_a_group_whose_prefetch_finished_starts_first() -> None:
 
     wrapper = make_wrapper(SlowGaussian(A, action_horizon=8, std=0.3), groups=2, prefetch=True)
     starts: list[int] = []
-    for runner in wrapper._runners:
+    for runner in wrapper._pipeline.runners:  # private: what a user sees here is only the overlap (speed)
 
         def run(actions: Any, started: Any = None, inner: Any = runner.run, offset: int = runner.offset) -> Any:
             starts.append(offset)
@@ -245,8 +268,9 @@ def test_last_group_call_starts_once_the_first_chunk_is_with_its_envs() -> None:
             events.append(("act", int(kwargs["env_ids"][0]), time.perf_counter()))
             return super().act(obs, **kwargs)
 
-    wrapper = make_wrapper(Recording(A, action_horizon=8, std=0.3), groups=2, prefetch=True)
-    for runner in wrapper._runners:  # an env with step_async / step_wait, like AsyncVectorEnv
+    policy = Recording(A, action_horizon=8, std=0.3)
+    wrapper = make_wrapper(policy, groups=2, prefetch=True)
+    for runner in wrapper._pipeline.runners:  # an env with step_async / step_wait, like AsyncVectorEnv
         env, held = runner.env, []
 
         def step_async(actions: Any, held: list = held, offset: int = runner.offset) -> None:
@@ -266,7 +290,8 @@ def test_last_group_call_starts_once_the_first_chunk_is_with_its_envs() -> None:
         env.step_async, env.step_wait, env.step = step_async, step_wait, step
     wrapper.reset(seed=1)
     wrapper.step()
-    assert wrapper._deferred == {0} and set(wrapper._prefetches) == {1}  # group indices
+    policy.wait_speculative(1)
+    assert [e[1] for e in events if e[0] == "act"] == [0, 2, 2]  # only group 2 (first to finish) was called ahead
     slow[2] = 0.2
     events.clear()
     wrapper.step()
@@ -281,7 +306,7 @@ def test_last_group_call_starts_once_the_first_chunk_is_with_its_envs() -> None:
 def _chunk_intervals(wrapper: PolicyVectorEnv, hold_s: float) -> list[tuple[float, float]]:
     """Wraps each group's `run` to hold its chunk for `hold_s` and record its (start, end)."""
     intervals: list[tuple[float, float]] = []
-    for runner in wrapper._runners:
+    for runner in wrapper._pipeline.runners:
 
         def run(actions: Any, started: Any = None, inner: Any = runner.run) -> Any:
             start = time.perf_counter()
@@ -316,8 +341,9 @@ def test_env_concurrency_is_checked() -> None:
         with pytest.raises(ValueError, match=rf"argument `env_concurrency` must be None or an int >= 1, got "
                                              rf"{re.escape(repr(bad))}\. Fix: pass 1"):  # fmt: skip
             make_wrapper(GaussianPolicy(A, action_horizon=8), 2, False, env_concurrency=bad)
-    wrapper = make_wrapper(GaussianPolicy(A, action_horizon=8), 2, False, env_concurrency=5)  # at most G
-    assert wrapper._env_slots is None
+    wrapper = make_wrapper(GaussianPolicy(A, action_horizon=8), 2, False, env_concurrency=5)  # more than G is fine
+    wrapper.reset(seed=0)
+    wrapper.step()
     wrapper.close()
 
 
@@ -380,7 +406,8 @@ def test_tiny_pi05_prefetch_equals_one_group_across_weight_syncs(device: str) ->
 
 # ------------------------------------------------------------------------------------------------ errors, threads
 def test_prefetch_refuses_policy_without_stream_table() -> None:
-    with pytest.raises(TypeError, match=r"`prefetch=True` needs a policy with a restorable random-stream table"):
+    with pytest.raises(TypeError, match=r"argument `prefetch=True` needs a policy that implements policies\.base\."
+                                        r"StreamPolicy .*got ConstantPolicy\. Fix: pass prefetch=False"):  # fmt: skip
         make_wrapper(ConstantPolicy([0.0] * A, action_horizon=C), 2, True)
 
 

@@ -32,33 +32,44 @@ class Table:
 
 
 TABLES: dict[str, Table] = {
-    "policy": Table(("case", "method", "value_source", "batch"),
-                    ("p50_ms", "samples_per_s", "prefix_ms_p50", "denoise_ms_p50", "achieved_tflops", "peak_mem_gib")),
+    "policy": Table(
+        ("case", "method", "value_source", "batch"),
+        ("p50_ms", "samples_per_s", "prefix_ms_p50", "denoise_ms_p50", "achieved_tflops", "peak_mem_gib"),
+    ),
     "model_eager": Table(("backend", "batch"), ("p50_ms", "peak_mem_gib", "finite", "status")),
     "startup": Table((), ("total_s", "graphs", "peak_mem_gib_batch64_3cam")),
-    "ratio": Table(("trainer_dtype", "check"),
-                   ("mean_abs_log_ratio", "max_abs_log_ratio", "clip_fraction", "log_prob_max_abs_diff")),
+    "ratio": Table(
+        ("trainer_dtype", "check"),
+        ("mean_abs_log_ratio", "max_abs_log_ratio", "clip_fraction", "log_prob_max_abs_diff"),
+    ),
     "batch_invariance": Table(("config",), ("initial_noise_equal", "actions_max_abs_diff", "log_prob_max_abs_diff")),
     "cuda_tests": Table((), ("returncode", "summary")),
     "gpu_suite": Table(("section",), ("status", "seconds")),
     "expert_attention": Table(("case", "batch"), ("keys", "sdpa_us", "gemm_us")),
     "profile": Table(("case", "batch", "stage"), ("wall_ms", "kernel_ms", "kernels_per_call")),
     "processor": Table(("device", "config.resize_mode", "batch"), ("p50_ms", "p90_ms", "samples_per_s")),
-    "wrapper_overhead": Table(("config.model", "config.cameras", "batch"),
-                              ("act_inputs_ms_p50", "wrapper_step_ms_p50", "processor_ms", "overhead_frac")),
-    "wrapper_overlap": Table(("config.policy", "config.num_envs", "config.action_chunk"),
-                             ("speedup.G2_over_G1", "speedup.G2_prefetch_over_G1",
-                              "speedup.G2_prefetch_env1_over_G1")),
+    "wrapper_overhead": Table(
+        ("config.model", "config.cameras", "batch"),
+        ("act_inputs_ms_p50", "wrapper_step_ms_p50", "processor_ms", "overhead_frac"),
+    ),
+    "wrapper_overlap": Table(
+        ("config.policy", "config.num_envs", "config.action_chunk"),
+        ("speedup.G2_over_G1", "speedup.G2_prefetch_over_G1", "speedup.G2_prefetch_env1_over_G1"),
+    ),
     "weight_sync": Table(("config", "subset", "case"), ("p50_ms", "p90_ms", "ratio", "GB_per_s")),
-    "weight_sync_phases": Table(("config", "expected"),
-                                ("begin_ms", "update_ms", "finish_ms", "sync_after_ms", "total_ms")),
+    "weight_sync_phases": Table(
+        ("config", "expected"), ("begin_ms", "update_ms", "finish_ms", "sync_after_ms", "total_ms")
+    ),
     "weight_sync_profile": Table(("config", "source", "subset"), ("wall_ms_per_sync", "gpu_busy_ms_per_sync")),
     "weight_sync_host_overhead": Table(("label",), ("p50_ms_after", "p90_ms_after")),
-    "weight_broadcast": Table(("config", "bucket_bytes", "high_priority"),
-                              ("broadcast_weights_p50_ms", "raw_broadcast_p50_ms", "ratio_to_raw")),
+    "weight_broadcast": Table(
+        ("config", "bucket_bytes", "high_priority"),
+        ("broadcast_weights_p50_ms", "raw_broadcast_p50_ms", "ratio_to_raw"),
+    ),
     "soak_cpu": Table(("steps", "num_envs"), ("growth_mb", "limit_mb", "ms_per_step", "passed")),
-    "soak_gpu": Table(("config", "batch"),
-                      ("memory_growth_bytes", "captures_before", "captures_after", "ms_per_step", "passed")),
+    "soak_gpu": Table(
+        ("config", "batch"), ("memory_growth_bytes", "captures_before", "captures_after", "ms_per_step", "passed")
+    ),
     "lerobot_baseline": Table(("case", "batch"), ("p50_ms", "samples_per_s", "peak_mem_gib", "error")),
     "ppo_example": Table(("case",), ("iteration", "sps", "time_rollout", "time_train", "time_sync", "approx_kl")),
     "ppo_curves": Table(("case", "seed"), ("iteration", "success_rate", "final_stochastic", "final_deterministic")),

@@ -74,13 +74,17 @@ def broadcast(out: Path) -> None:
         write_rows("gpu_suite", [{"section": "broadcast", "status": f"not run: {torch.cuda.device_count()} GPU(s), "
                                   "needs 2"}], out)  # fmt: skip
         return
-    base = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "-m", "benchmarks.bench_broadcast",
-            "--out", str(out), "--iters", "30"]  # fmt: skip
-    runs = [["--trace-dir", str(out), "--gpu-only-trace"], ["--buckets", "9"], ["--high-priority"]]
+    runs = (  # constant argv lists, run in `out` (rows and traces land there)
+        [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "-m", "benchmarks.bench_broadcast",
+         "--out", ".", "--iters", "30", "--trace-dir", ".", "--gpu-only-trace"],
+        [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "-m", "benchmarks.bench_broadcast",
+         "--out", ".", "--iters", "30", "--buckets", "9"],
+        [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "-m", "benchmarks.bench_broadcast",
+         "--out", ".", "--iters", "30", "--high-priority"],
+    )  # fmt: skip
     logs = []
-    for extra in runs:
-        proc = subprocess.run(base + extra, cwd=ROOT, capture_output=True, text=True, timeout=300,
-                              env=_subprocess_env())  # fmt: skip
+    for cmd in runs:
+        proc = subprocess.run(cmd, cwd=out, capture_output=True, text=True, timeout=300, env=_subprocess_env())
         logs.append(proc.stdout + proc.stderr)
         if proc.returncode != 0:
             break

@@ -8,14 +8,13 @@ batch-shape-dependent rounding of the replayed graphs (GEMM kernels are chosen p
 
 from __future__ import annotations
 
-import argparse
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 import torch
 
-from benchmarks.common import build_pi05, write_rows
+from benchmarks.common import build_pi05, run_cli, write_rows
 
 BENCH = "batch_invariance"
 
@@ -62,6 +61,4 @@ def run(out: Path | None = None, n: int = 16) -> list[dict[str, Any]]:
 
 
 if __name__ == "__main__":
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--out", type=Path, default=None, help="folder for batch_invariance.jsonl (default: results/)")
-    run(parser.parse_args().out)
+    run_cli(run, BENCH, __doc__)

@@ -8,13 +8,12 @@ Each call is captured 20 times in one CUDA graph (no launch overhead); the row g
 
 from __future__ import annotations
 
-import argparse
 from pathlib import Path
 from typing import Any
 
 import torch
 
-from benchmarks.common import write_rows
+from benchmarks.common import run_cli, write_rows
 
 BENCH = "expert_attention"
 
@@ -72,6 +71,4 @@ def run(out: Path | None = None, batches: tuple[int, ...] = (1, 4, 8, 16, 32, 64
 
 
 if __name__ == "__main__":
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--out", type=Path, default=None, help="folder for expert_attention.jsonl (default: results/)")
-    run(parser.parse_args().out)
+    run_cli(run, BENCH, __doc__)

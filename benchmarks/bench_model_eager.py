@@ -8,13 +8,12 @@ kernels SDPA launched per site.
 
 from __future__ import annotations
 
-import argparse
 from pathlib import Path
 from typing import Any
 
 import torch
 
-from benchmarks.common import cuda_time_ms, percentiles, write_rows
+from benchmarks.common import cuda_time_ms, percentiles, run_cli, write_rows
 
 BENCH = "model_eager"
 
@@ -79,6 +78,4 @@ def run(out: Path | None = None, batches: tuple[int, ...] = (1, 8), iters: int =
 
 
 if __name__ == "__main__":
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--out", type=Path, default=None, help="folder for model_eager.jsonl (default: results/)")
-    run(parser.parse_args().out)
+    run_cli(run, BENCH, __doc__)

@@ -9,14 +9,13 @@ branches off and hide any precision gap); 2 cameras, 48 tokens, K=5, H=10, C=5, 
 
 from __future__ import annotations
 
-import argparse
 import dataclasses
 from pathlib import Path
 from typing import Any
 
 import torch
 
-from benchmarks.common import ModelProcessor, make_inputs, write_rows
+from benchmarks.common import ModelProcessor, make_inputs, run_cli, write_rows
 
 BENCH = "ratio"
 SETTING = "LIBERO RL (2 cams, 48 tok, K=5, H=10, C=5, A=7, sde a=0.5)"
@@ -81,6 +80,4 @@ def run(out: Path | None = None, device: str = "cuda", batch: int = 64) -> list[
 
 
 if __name__ == "__main__":
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--out", type=Path, default=None, help="folder for ratio.jsonl (default: results/)")
-    run(parser.parse_args().out)
+    run_cli(run, BENCH, __doc__)

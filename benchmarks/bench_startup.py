@@ -8,14 +8,13 @@ Random weights built on the GPU: a checkpoint load adds the safetensors read.
 
 from __future__ import annotations
 
-import argparse
 import time
 from pathlib import Path
 from typing import Any
 
 import torch
 
-from benchmarks.common import ModelProcessor, make_inputs, write_rows
+from benchmarks.common import ModelProcessor, make_inputs, run_cli, write_rows
 
 BENCH = "startup"
 
@@ -54,6 +53,4 @@ def run(out: Path | None = None) -> list[dict[str, Any]]:
 
 
 if __name__ == "__main__":
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--out", type=Path, default=None, help="folder for startup.jsonl (default: results/)")
-    run(parser.parse_args().out)
+    run_cli(run, BENCH, __doc__)

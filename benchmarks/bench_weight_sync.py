@@ -32,7 +32,7 @@ from typing import Any
 
 import torch
 
-from benchmarks.common import RESULTS, git_commit, write_rows
+from benchmarks.common import RESULTS, git_commit, synchronize, wall_time_ms, write_rows
 from benchmarks.common import ModelProcessor as _Processor
 from policies.pi05.config import Pi05Config
 from policies.pi05.model import Pi05Model
@@ -43,28 +43,10 @@ TARGET_MS = {"expert": 10.0, "all": 30.0}  # DESIGN: in-process sync on an H200
 PINNED_RATIO_TARGET = 1.3
 
 
-def _sync(device: torch.device) -> None:
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
-
-
 def _append_rows(out_path: str | Path | None, rows: list[dict[str, Any]]) -> None:
     """Append each row to its benchmark's JSONL (``<bench>.jsonl`` under the folder `out_path`, or results/)."""
     for row in rows:
         write_rows(row["bench"], [row], out_path, echo=False)
-
-
-def _time_ms(fn, device: torch.device, iters: int, warmup: int = 2) -> list[float]:
-    for _ in range(warmup):
-        fn()
-    _sync(device)
-    times = []
-    for _ in range(iters):
-        start = time.perf_counter()
-        fn()
-        _sync(device)
-        times.append((time.perf_counter() - start) * 1e3)
-    return times
 
 
 def _flat_copy(tensors: dict[str, torch.Tensor], device: str | torch.device, pin: bool) -> dict[str, torch.Tensor]:
@@ -132,7 +114,7 @@ def run(out_path: str | Path, config_name: str = "base", iters: int = 10) -> lis
         del detached
         results: dict[str, float] = {}
         for source_name, source in sources.items():
-            times = _time_ms(lambda s=source, e=expected: policy.sync_weights(s, expected=e), device, iters)
+            times = wall_time_ms(lambda s=source, e=expected: policy.sync_weights(s, expected=e), iters, 2, device)
             results[source_name] = statistics.median(times)
             rows.append(
                 {
@@ -150,7 +132,7 @@ def run(out_path: str | Path, config_name: str = "base", iters: int = 10) -> lis
         if device.type == "cuda":
             raw["raw_host_to_device_copy"] = (flat_dst, torch.empty(nbytes, dtype=torch.uint8, pin_memory=True))
         for case, (dst, src) in raw.items():
-            times = _time_ms(lambda d=dst, s=src: d.copy_(s, non_blocking=True), device, iters)
+            times = wall_time_ms(lambda d=dst, s=src: d.copy_(s, non_blocking=True), iters, 2, device)
             results[case] = statistics.median(times)
             rows.append(
                 {
@@ -249,7 +231,7 @@ def phase_times(out_path: str | Path, config_name: str = "base", iters: int = 10
             t2 = time.perf_counter()
             policy.finish_weight_update()
             t3 = time.perf_counter()
-            _sync(device)
+            synchronize(device)
             t4 = time.perf_counter()
             if i >= 2:
                 marks.append([(b - a) * 1e3 for a, b in ((t0, t1), (t1, t2), (t2, t3), (t3, t4), (t0, t4))])
@@ -309,7 +291,7 @@ def run_host_overhead(
         }
         for source_name, source in sources.items():
             label = f"{subset}/{source_name}"
-            times = _time_ms(lambda s=source, e=expected: policy.sync_weights(s, expected=e), device, iters, warmup=3)
+            times = wall_time_ms(lambda s=source, e=expected: policy.sync_weights(s, expected=e), iters, 3, device)
             p50 = statistics.median(times)
             p50s[label] = p50
             row = {

@@ -15,6 +15,7 @@ row writer without it.
 
 from __future__ import annotations
 
+import argparse
 import datetime
 import json
 import os
@@ -100,6 +101,13 @@ def write_rows(
             print(json.dumps(row), flush=True)
     append_jsonl(results_path(bench, out), full)
     return full
+
+
+def run_cli(run: Callable[[Path | None], Any], bench: str, doc: str) -> None:
+    """Command line of a script whose one option is ``--out DIR``: parse it and call ``run(out)``."""
+    parser = argparse.ArgumentParser(description=doc.splitlines()[0])
+    parser.add_argument("--out", type=Path, default=None, help=f"folder for {bench}.jsonl (default: results/)")
+    run(parser.parse_args().out)
 
 
 # ----------------------------------------------------------------------------------------------- timing

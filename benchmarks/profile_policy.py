@@ -11,13 +11,12 @@ the replays (older CUPTI), the same stage runs eagerly on the same buffers inste
 
 from __future__ import annotations
 
-import argparse
 from collections import defaultdict
 from pathlib import Path
 
 import torch
 
-from benchmarks.common import CASES, build_case_policy, make_inputs, write_rows
+from benchmarks.common import CASES, build_case_policy, make_inputs, run_cli, write_rows
 from policies.pi05.config import Pi05Config
 
 BENCH = "profile"
@@ -121,6 +120,4 @@ def run(out: Path | None = None, plan=(("a", (1, 64)), ("b", (1, 64)))) -> list[
 
 
 if __name__ == "__main__":
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--out", type=Path, default=None, help="folder for profile.jsonl (default: results/)")
-    run(parser.parse_args().out)
+    run_cli(run, BENCH, __doc__)

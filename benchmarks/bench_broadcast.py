@@ -1,8 +1,8 @@
 """Cross-GPU weight broadcast (DESIGN C6) against raw NCCL bandwidth, rank 0 (trainer) -> rank 1 (rollout policy).
 
-    torchrun --nproc_per_node 2 benchmarks/bench_broadcast.py --out results.jsonl [--config base|tiny]
-    torchrun --nproc_per_node 2 benchmarks/bench_broadcast.py --out results.jsonl --config host --buckets 17
-    torchrun --nproc_per_node 2 benchmarks/bench_broadcast.py --out results.jsonl --trace-dir traces/
+    torchrun --nproc_per_node 2 -m benchmarks.bench_broadcast [--out DIR] [--config base|tiny]
+    torchrun --nproc_per_node 2 -m benchmarks.bench_broadcast --config host --buckets 17
+    torchrun --nproc_per_node 2 -m benchmarks.bench_broadcast --trace-dir traces/
 
 `--config host` (CPU, gloo) uses pi05_base's tensor count and names at tiny sizes, so what is timed is the
 protocol's host work and the transfers; `--buckets N` sets the bucket size to give N buckets (17 is what the
@@ -12,30 +12,27 @@ Rank 0 holds a trainer model (no policy); rank 1 a `Pi05Policy`. Measured in the
 `dist.broadcast` of one flat buffer with the bytes of the expert + heads, and `broadcast_weights` of the same
 parameters (manifest as tensors, bounded buckets, validation, vote, commit). Each rank times from a common
 barrier to its own end (rank 1 after its commit ran on its GPU); the row reports the slowest rank per
-iteration (and each rank's p50), for the raw broadcast too. JSONL rows from rank 0.
+iteration (and each rank's p50), for the raw broadcast too. Rank 0 appends the row to ``weight_broadcast.jsonl``.
 """
 
 from __future__ import annotations
 
 import argparse
-import json
 import os
-import sys
 import time
 from pathlib import Path
 
 import torch
 import torch.distributed as dist
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-
-from benchmarks.bench_policy import _Processor, env_row  # noqa: E402
-from policies.pi05 import distributed_sync  # noqa: E402
-from policies.pi05.config import Pi05Config  # noqa: E402
-from policies.pi05.distributed_sync import DEFAULT_BUCKET_BYTES, broadcast_weights  # noqa: E402
-from policies.pi05.model import Pi05Model  # noqa: E402
-from policies.pi05.policy import Pi05Policy, RolloutConfig  # noqa: E402
-from policies.pi05.scheduler import SchedulerConfig  # noqa: E402
+from benchmarks.common import ModelProcessor as _Processor
+from benchmarks.common import write_rows
+from policies.pi05 import distributed_sync
+from policies.pi05.config import Pi05Config
+from policies.pi05.distributed_sync import DEFAULT_BUCKET_BYTES, broadcast_weights
+from policies.pi05.model import Pi05Model
+from policies.pi05.policy import Pi05Policy, RolloutConfig
+from policies.pi05.scheduler import SchedulerConfig
 
 
 def _p50(xs: list[float]) -> float:
@@ -43,8 +40,8 @@ def _p50(xs: list[float]) -> float:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser()
-    parser.add_argument("--out", type=Path, required=True)
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--out", type=Path, default=None, help="folder for weight_broadcast.jsonl (default: results/)")
     parser.add_argument("--config", choices=("base", "tiny", "host"), default="base")
     parser.add_argument("--buckets", type=int, default=None, help="bucket size for about this many buckets")
     parser.add_argument("--iters", type=int, default=5)
@@ -152,7 +149,7 @@ def main() -> None:
     version = torch.tensor([policy.weight_version if policy is not None else -1], device=device)
     dist.all_reduce(version, op=dist.ReduceOp.MAX)
     if rank == 0:
-        row = {**env_row(), "bench": "weight_broadcast", "config": args.config, "world_size": dist.get_world_size(),
+        row = {"config": args.config, "world_size": dist.get_world_size(),
                "backend": dist.get_backend(), "tensors": len(source), "bytes": nbytes,
                "raw_broadcast_p50_ms": _p50(raw_slowest), "raw_GB_per_s": nbytes / _p50(raw_slowest) / 1e6,
                "broadcast_weights_p50_ms": _p50(slowest), "ratio_to_raw": _p50(slowest) / _p50(raw_slowest),
@@ -164,9 +161,7 @@ def main() -> None:
                "target_ratio": 2.0,
                "final_version": int(version.item()),
                "report_tensors": report.num_tensors}
-        print(json.dumps(row), flush=True)
-        with args.out.open("a") as f:
-            f.write(json.dumps(row) + "\n")
+        write_rows("weight_broadcast", [row], args.out)
     dist.barrier()
     dist.destroy_process_group()
 

@@ -1,11 +1,12 @@
 """Same-run speed baseline: LeRobot's PI0.5 (`PI05Pytorch.sample_actions`), random weights, eager.
 
-Standalone: it imports lerobot (0.6.1, with transformers 5.5.4) and never the project, so it can run next
-to our policy benchmarks in one GPU campaign with LeRobot's pinned packages on a private PYTHONPATH
+Standalone: it imports lerobot (0.6.1, with transformers 5.5.4) and of this repository only the row writer
+(`benchmarks/common.py`, torch and the standard library), never the project, so it can run next to our policy
+benchmarks in one GPU campaign with LeRobot's pinned packages on a private PYTHONPATH
 (see `benchmarks/run_lerobot_on_device.sh`).
 
-    PYTHONPATH=/tmp/lrsite python3 benchmarks/bench_lerobot.py --out $OUT/lerobot.jsonl   # H200
-    /work/lerobot_venv/bin/python benchmarks/bench_lerobot.py --small --out /tmp/lr.jsonl # CPU smoke
+    PYTHONPATH=/tmp/lrsite:. python3 -m benchmarks.bench_lerobot --out $OUT          # H200; -> lerobot_baseline.jsonl
+    PYTHONPATH=. /work/lerobot_venv/bin/python -m benchmarks.bench_lerobot --small --out /tmp/lr   # CPU smoke
 
 What is measured (full geometry = published pi05_base: SigLIP So400m/14 at 224 px -> 256 tokens a camera,
 Gemma 2B prefix LM, Gemma 300M action expert, vocab 257,152):
@@ -25,7 +26,7 @@ Gemma 2B prefix LM, Gemma 300M action expert, vocab 257,152):
 * Timing: CUDA events around each `sample_actions` call, warm-ups first, p50 of the timed calls. Peak memory
   is `torch.cuda.max_memory_allocated()` over the case's warm-ups and timed calls (weights included).
 
-Each JSONL row: {"bench": "lerobot_baseline", gpu, torch, transformers, lerobot, case, batch, p50_ms,
+Each JSONL row: {"bench": "lerobot_baseline", gpu, torch, commit, transformers, lerobot, case, batch, p50_ms,
 samples_per_s, peak_mem_gib, ...}; a failing (case, batch) writes a row with "error" instead and the run goes
 on. Rows are appended and flushed as they are produced, so a run cut short keeps what it measured.
 """
@@ -42,6 +43,8 @@ import sys
 import time
 import traceback
 from pathlib import Path
+
+from benchmarks.common import write_rows
 
 # Nothing here needs the Hub; never let a stray lookup wait on a network the GPU machine does not have.
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
@@ -314,7 +317,7 @@ def env_info(device: str) -> dict:
 # ----------------------------------------------------------------------------------------------------------
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--out", type=Path, required=True, help="JSONL file; rows are appended")
+    ap.add_argument("--out", type=Path, default=None, help="folder for lerobot_baseline.jsonl (default: results/)")
     ap.add_argument("--cases", default="a,b", help="comma-separated subset of: a,b")
     ap.add_argument("--small", action="store_true", help="CPU smoke test with a small geometry")
     ap.add_argument("--device", default=None, help="default: cuda, or cpu with --small")
@@ -332,12 +335,9 @@ def main(argv: list[str] | None = None) -> int:
     t_start = time.perf_counter()
     device = args.device or ("cpu" if args.small else "cuda")
     cuda = device.startswith("cuda")
-    args.out.parent.mkdir(parents=True, exist_ok=True)
-    out_f = open(args.out, "a")  # noqa: SIM115
 
     def emit(row: dict) -> None:
-        out_f.write(json.dumps(row) + "\n")
-        out_f.flush()
+        write_rows("lerobot_baseline", [row], args.out, echo=False)
         keys = ("case", "batch", "p50_ms", "samples_per_s", "peak_mem_gib", "actions_finite", "error")
         print("lerobot_baseline " + " ".join(f"{k}={row[k]}" for k in keys if k in row), flush=True)
 
@@ -373,7 +373,6 @@ def main(argv: list[str] | None = None) -> int:
     except Exception as e:  # noqa: BLE001
         traceback.print_exc()
         emit({**base, "case": None, "batch": None, "error": f"build: {type(e).__name__}: {e}"[:2000]})
-        out_f.close()
         return 1
 
     image_size = SMALL_GEOMETRY["vision"]["image_size"] if args.small else FULL_IMAGE_SIZE
@@ -414,7 +413,6 @@ def main(argv: list[str] | None = None) -> int:
             finally:
                 if cuda:
                     torch.cuda.empty_cache()
-    out_f.close()
     print(f"lerobot baseline done in {time.perf_counter() - t_start:.1f} s, {failures} failed/skipped", flush=True)
     return 1 if failures else 0
 

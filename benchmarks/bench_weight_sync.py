@@ -5,7 +5,7 @@ bytes measured in the same run.
 One row per (subset, source): host wall time from `begin_weight_update` to the commit having run on the GPU
 (`torch.cuda.synchronize()` after `finish_weight_update`), warm-up excluded, p50/p90 over --iters runs.
 
-    python benchmarks/bench_weight_sync.py --config base --out benchmarks/results/weight_sync.jsonl
+    python -m benchmarks.bench_weight_sync --config base [--out DIR]       # rows -> weight_sync.jsonl
 
 `run(out_path, config_name)` is the entry point `benchmarks/gpu_suite.py` calls.
 
@@ -15,8 +15,8 @@ copies cost next to nothing and what is timed is begin + update + finish (valida
 table refresh). `--save-baseline FILE` stores the p50s; a later run with `--baseline FILE` reports them as
 `p50_ms_before` beside this run's `p50_ms_after`:
 
-    python benchmarks/bench_weight_sync.py --host-overhead --save-baseline /tmp/before.json   # old code
-    python benchmarks/bench_weight_sync.py --host-overhead --baseline /tmp/before.json        # new code
+    python -m benchmarks.bench_weight_sync --host-overhead --save-baseline /tmp/before.json   # old code
+    python -m benchmarks.bench_weight_sync --host-overhead --baseline /tmp/before.json        # new code
 """
 
 from __future__ import annotations
@@ -24,10 +24,7 @@ from __future__ import annotations
 import argparse
 import copy
 import json
-import os
 import statistics
-import subprocess
-import sys
 import time
 from dataclasses import replace
 from pathlib import Path
@@ -35,55 +32,21 @@ from typing import Any
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-
-from benchmarks.bench_policy import _Processor  # noqa: E402
-from policies.pi05.config import Pi05Config  # noqa: E402
-from policies.pi05.model import Pi05Model  # noqa: E402
-from policies.pi05.policy import Pi05Policy, RolloutConfig  # noqa: E402
-from policies.pi05.scheduler import SchedulerConfig  # noqa: E402
+from benchmarks.common import RESULTS, git_commit, synchronize, wall_time_ms, write_rows
+from benchmarks.common import ModelProcessor as _Processor
+from policies.pi05.config import Pi05Config
+from policies.pi05.model import Pi05Model
+from policies.pi05.policy import Pi05Policy, RolloutConfig
+from policies.pi05.scheduler import SchedulerConfig
 
 TARGET_MS = {"expert": 10.0, "all": 30.0}  # DESIGN: in-process sync on an H200
 PINNED_RATIO_TARGET = 1.3
 
 
-def _git_commit() -> str:
-    if os.environ.get("GIT_COMMIT"):
-        return os.environ["GIT_COMMIT"]
-    try:
-        root = Path(__file__).resolve().parents[1]
-        return subprocess.run(
-            ["git", "rev-parse", "HEAD"], cwd=root, capture_output=True, text=True, check=True
-        ).stdout.strip()
-    except (OSError, subprocess.CalledProcessError):
-        return "unknown"
-
-
-def _sync(device: torch.device) -> None:
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
-
-
-def _append_rows(out_path: str | Path, rows: list[dict[str, Any]]) -> None:
-    """Append `rows` as JSON lines to `out_path` (its folder made if missing)."""
-    out = Path(out_path)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    with out.open("a") as handle:
-        for row in rows:
-            handle.write(json.dumps(row) + "\n")
-
-
-def _time_ms(fn, device: torch.device, iters: int, warmup: int = 2) -> list[float]:
-    for _ in range(warmup):
-        fn()
-    _sync(device)
-    times = []
-    for _ in range(iters):
-        start = time.perf_counter()
-        fn()
-        _sync(device)
-        times.append((time.perf_counter() - start) * 1e3)
-    return times
+def _append_rows(out_path: str | Path | None, rows: list[dict[str, Any]]) -> None:
+    """Append each row to its benchmark's JSONL (``<bench>.jsonl`` under the folder `out_path`, or results/)."""
+    for row in rows:
+        write_rows(row["bench"], [row], out_path, echo=False)
 
 
 def _flat_copy(tensors: dict[str, torch.Tensor], device: str | torch.device, pin: bool) -> dict[str, torch.Tensor]:
@@ -124,7 +87,7 @@ def run(out_path: str | Path, config_name: str = "base", iters: int = 10) -> lis
         "device": device.type,
         "gpu": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
         "torch": torch.__version__,
-        "commit": _git_commit(),
+        "commit": git_commit(),
         "dtype": str(policy.model.compute_dtype).removeprefix("torch."),
         "setup_s": round(setup_s, 2),
     }
@@ -151,7 +114,7 @@ def run(out_path: str | Path, config_name: str = "base", iters: int = 10) -> lis
         del detached
         results: dict[str, float] = {}
         for source_name, source in sources.items():
-            times = _time_ms(lambda s=source, e=expected: policy.sync_weights(s, expected=e), device, iters)
+            times = wall_time_ms(lambda s=source, e=expected: policy.sync_weights(s, expected=e), iters, 2, device)
             results[source_name] = statistics.median(times)
             rows.append(
                 {
@@ -169,7 +132,7 @@ def run(out_path: str | Path, config_name: str = "base", iters: int = 10) -> lis
         if device.type == "cuda":
             raw["raw_host_to_device_copy"] = (flat_dst, torch.empty(nbytes, dtype=torch.uint8, pin_memory=True))
         for case, (dst, src) in raw.items():
-            times = _time_ms(lambda d=dst, s=src: d.copy_(s, non_blocking=True), device, iters)
+            times = wall_time_ms(lambda d=dst, s=src: d.copy_(s, non_blocking=True), iters, 2, device)
             results[case] = statistics.median(times)
             rows.append(
                 {
@@ -233,7 +196,7 @@ def profile_sync(
         gpu_busy = sum(getattr(e, "self_device_time_total", 0) for e in events) / 1e3 / reps
         rows.append({
             "bench": "weight_sync_profile", "config": config_name, "gpu": torch.cuda.get_device_name(),
-            "torch": torch.__version__, "commit": _git_commit(), "source": name, "subset": "expert",
+            "torch": torch.__version__, "commit": git_commit(), "source": name, "subset": "expert",
             "wall_ms_per_sync": round(wall, 3), "gpu_busy_ms_per_sync": round(gpu_busy, 3),
             "top_cpu": [{"op": e.key[:80], "self_ms": round(e.self_cpu_time_total / 1e3 / reps, 3),
                          "calls": e.count // reps} for e in cpu],
@@ -268,14 +231,14 @@ def phase_times(out_path: str | Path, config_name: str = "base", iters: int = 10
             t2 = time.perf_counter()
             policy.finish_weight_update()
             t3 = time.perf_counter()
-            _sync(device)
+            synchronize(device)
             t4 = time.perf_counter()
             if i >= 2:
                 marks.append([(b - a) * 1e3 for a, b in ((t0, t1), (t1, t2), (t2, t3), (t3, t4), (t0, t4))])
         p50 = [round(statistics.median(col), 3) for col in zip(*marks)]
         rows.append({
             "bench": "weight_sync_phases", "config": config_name, "gpu": torch.cuda.get_device_name(device)
-            if device.type == "cuda" else "cpu", "torch": torch.__version__, "commit": _git_commit(),
+            if device.type == "cuda" else "cpu", "torch": torch.__version__, "commit": git_commit(),
             "expected": expected, "begin_ms": p50[0], "update_ms": p50[1], "finish_ms": p50[2],
             "sync_after_ms": p50[3], "total_ms": p50[4],
         })  # fmt: skip
@@ -312,7 +275,7 @@ def run_host_overhead(
         "bench": "weight_sync_host_overhead",
         "device": "cpu",
         "torch": torch.__version__,
-        "commit": _git_commit(),
+        "commit": git_commit(),
         "threads": torch.get_num_threads(),
         "iters": iters,
     }
@@ -328,7 +291,7 @@ def run_host_overhead(
         }
         for source_name, source in sources.items():
             label = f"{subset}/{source_name}"
-            times = _time_ms(lambda s=source, e=expected: policy.sync_weights(s, expected=e), device, iters, warmup=3)
+            times = wall_time_ms(lambda s=source, e=expected: policy.sync_weights(s, expected=e), iters, 3, device)
             p50 = statistics.median(times)
             p50s[label] = p50
             row = {
@@ -351,7 +314,7 @@ def run_host_overhead(
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--config", choices=("tiny", "base"), default="base")
-    parser.add_argument("--out", default=None, help="JSONL to append to (default per mode)")
+    parser.add_argument("--out", default=None, help="folder for the <bench>.jsonl files (default: results/)")
     parser.add_argument("--iters", type=int, default=None)
     parser.add_argument("--host-overhead", action="store_true", help="CPU host-overhead mode (see the docstring)")
     parser.add_argument("--baseline", default=None, help="--host-overhead: JSON of p50s to report as 'before'")
@@ -360,14 +323,14 @@ def main() -> None:
     if args.host_overhead:
         torch.set_num_threads(1)
         baseline = json.loads(Path(args.baseline).read_text()) if args.baseline else None
-        out = None if args.save_baseline else (args.out or "benchmarks/results/weight_sync_host_cpu.jsonl")
+        out = None if args.save_baseline else (args.out or RESULTS)
         rows, p50s = run_host_overhead(out, args.iters or 20, baseline)
         if args.save_baseline:
             Path(args.save_baseline).write_text(json.dumps(p50s))
         for row in rows:
             print(json.dumps(row))
         return
-    for row in run(args.out or "benchmarks/results/weight_sync.jsonl", args.config, args.iters or 10):
+    for row in run(args.out, args.config, args.iters or 10):
         print(json.dumps(row))
 
 

@@ -5,17 +5,12 @@ work that cannot reach the outputs (in the last LM layer everything but its K/V 
 value source is the prefix), camera slots the camera map never fills, and the time MLP / adaRMS Dense
 layers (precomputed into tables at setup). Elementwise work (norms, RoPE, softmax) is not counted.
 
-    python benchmarks/flops.py            # prints the two C8 reference cases
+    python -m benchmarks.flops            # prints the two C8 reference cases
 """
 
 from __future__ import annotations
 
-import sys
-from pathlib import Path
-
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-
-from policies.pi05.config import GemmaConfig, Pi05Config, SiglipConfig  # noqa: E402
+from policies.pi05.config import GemmaConfig, Pi05Config, SiglipConfig
 
 
 def _vision_flops(v: SiglipConfig) -> float:

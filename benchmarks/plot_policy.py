@@ -1,4 +1,7 @@
-"""Plot samples/s and p50 latency against batch from a bench_policy JSONL (benchmarks/results/h200_policy.jsonl)."""
+"""Plot samples/s and p50 latency against batch from the latest `policy.jsonl` rows of one GPU.
+
+    python -m benchmarks.plot_policy --out benchmarks/results/h200_policy.png [--jsonl FILE] [--gpu "NVIDIA H200"]
+"""
 
 from __future__ import annotations
 
@@ -8,6 +11,8 @@ from pathlib import Path
 
 import matplotlib
 
+from benchmarks.common import results_path
+
 matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402
 
@@ -15,11 +20,17 @@ TARGETS = {"a": {64: 120}, "b": {8: 120, 40: 200, 64: 220}}
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser()
-    parser.add_argument("jsonl", type=Path)
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--jsonl", type=Path, default=results_path("policy"))
+    parser.add_argument("--gpu", default="NVIDIA H200", help="the rows' gpu field")
     parser.add_argument("--out", type=Path, required=True)
     args = parser.parse_args()
-    rows = [json.loads(line) for line in args.jsonl.read_text().splitlines() if line.strip()]
+    latest: dict[tuple, dict] = {}  # the file is oldest first: the last row of each (case, method, batch) wins
+    for line in args.jsonl.read_text().splitlines():
+        row = json.loads(line) if line.strip() else None
+        if row and row.get("gpu") == args.gpu and row.get("value_source") == "none":
+            latest[(row["case"], row["method"], row["batch"])] = row
+    rows = list(latest.values())
     fig, (ax_tp, ax_lat) = plt.subplots(1, 2, figsize=(11, 4))
     for case in ("a", "b"):
         sel = sorted((r for r in rows if r["case"] == case and r["method"] == "ode"), key=lambda r: r["batch"])
@@ -40,7 +51,7 @@ def main() -> None:
     ax_lat.set_yscale("log")
     ax_lat.set_xlabel("batch")
     ax_lat.set_ylabel("p50 ms")
-    ax_lat.set_title("act() latency, H200 bf16")
+    ax_lat.set_title(f"act() latency, {args.gpu} bf16")
     ax_lat.legend(fontsize=8)
     fig.tight_layout()
     fig.savefig(args.out, dpi=110)

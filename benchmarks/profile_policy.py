@@ -1,6 +1,6 @@
 """Where the time of a policy call goes: per-kernel CUDA time of the prefix and denoise replays, by category.
 
-    python benchmarks/profile_policy.py --out $OUT        # on a GPU
+    python -m benchmarks.profile_policy [--out DIR]           # on a GPU; rows -> profile.jsonl
 
 For the C8 cases at a few batch sizes, the prefix and denoise graphs are replayed under `torch.profiler`
 (CUPTI records the kernels of a graph replay individually). Kernels are grouped into GEMM, attention,
@@ -11,19 +11,15 @@ the replays (older CUPTI), the same stage runs eagerly on the same buffers inste
 
 from __future__ import annotations
 
-import argparse
-import json
-import sys
 from collections import defaultdict
 from pathlib import Path
 
 import torch
 
-ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
+from benchmarks.common import CASES, build_case_policy, make_inputs, run_cli, write_rows
+from policies.pi05.config import Pi05Config
 
-from benchmarks.bench_policy import CASES, build_policy, env_row, make_inputs  # noqa: E402
-from policies.pi05.config import Pi05Config  # noqa: E402
+BENCH = "profile"
 
 CATEGORIES = (
     ("attention", ("sdpa", "flash", "fmha", "attention", "softmax")),
@@ -96,68 +92,13 @@ def _runner(sched, stage: str, key: tuple, graphs: bool):
     return eager
 
 
-def _graph_time_us(fn, calls: int = 20, reps: int = 10) -> float:
-    """Per-call GPU time of `fn` captured `calls` times in one CUDA graph (no launch overhead), median of reps."""
-    with torch.no_grad():
-        side = torch.cuda.Stream()
-        side.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(side):
-            for _ in range(3):
-                fn()
-        torch.cuda.current_stream().wait_stream(side)
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph):
-            for _ in range(calls):
-                fn()
-    times = []
-    for _ in range(reps):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        graph.replay()
-        end.record()
-        torch.cuda.synchronize()
-        times.append(start.elapsed_time(end) * 1e3 / calls)
-    return sorted(times)[len(times) // 2]
-
-
-def attention_crossover(out: Path, batches=(1, 4, 8, 16, 32, 64)) -> list[dict]:
-    """Expert attention alone, SDPA (cuDNN) vs the folded-MQA "gemm" path, at the C8 shapes (the threshold's basis)."""
-    from policies.pi05 import attention
-
-    rows = []
-    cfg = Pi05Config.pi05_base().expert
-    limit, attention.GEMM_MAX_SCORES = attention.GEMM_MAX_SCORES, 1 << 62  # force the gemm path
-    try:
-        for name, (cams, prompt, horizon) in {"a": (3, 200, 50), "b": (2, 48, 10)}.items():
-            s = cams * 256 + prompt + horizon
-            for b in batches:
-                q = torch.randn(b, horizon, cfg.num_heads, cfg.head_dim, device="cuda").transpose(1, 2).bfloat16()
-                k = torch.randn(b, 1, s, cfg.head_dim, device="cuda").bfloat16()
-                v = torch.randn(b, 1, s, cfg.head_dim, device="cuda").bfloat16()
-                mask = attention.additive_mask(torch.ones(b, s, dtype=torch.bool, device="cuda"), torch.float32)
-                row = {**env_row(), "bench": "expert_attention", "case": name, "batch": b, "keys": s,
-                       "scores": b * cfg.num_heads * horizon * s}
-                for backend in ("sdpa", "gemm"):
-                    m = mask.to(torch.bfloat16) if backend == "sdpa" else mask
-                    row[f"{backend}_us"] = _graph_time_us(
-                        lambda q=q, k=k, v=v, m=m, be=backend: attention.attend(q, k, v, m, cfg.head_dim**-0.5, be)
-                    )
-                rows.append(row)
-                print(json.dumps(row), flush=True)
-                with out.open("a") as f:
-                    f.write(json.dumps(row) + "\n")
-    finally:
-        attention.GEMM_MAX_SCORES = limit
-    return rows
-
-
-def run(out: Path, plan=(("a", (1, 64)), ("b", (1, 64)))) -> list[dict]:
-    """Profile the prefix and denoise replays of each (case, batches); append rows to `out` (JSONL)."""
+def run(out: Path | None = None, plan=(("a", (1, 64)), ("b", (1, 64)))) -> list[dict]:
+    """Profile the prefix and denoise replays of each (case, batches); appends rows to ``profile.jsonl``."""
     rows = []
     config = Pi05Config.pi05_base()
     for name, batches in plan:
         case = CASES[name]
-        policy, _ = build_policy(case, batches, config, "ode", "none")
+        policy = build_case_policy(case, batches, "ode", "none")
         sched = policy.scheduler
         opts = policy.sampling_options(deterministic=True)
         for n in batches:
@@ -172,20 +113,11 @@ def run(out: Path, plan=(("a", (1, 64)), ("b", (1, 64)))) -> list[dict]:
                 if result["kernels_per_call"] == 0:  # the profiler did not see inside the graph
                     result = profile_stage(_runner(sched, stage, key, graphs=False))
                     mode = "eager stage on the same buffers (graph kernels not visible to the profiler)"
-                row = {**env_row(), "bench": "profile", "case": name, "batch": n, "stage": stage, "mode": mode,
-                       **result}
-                rows.append(row)
-                print(json.dumps(row), flush=True)
-                with out.open("a") as f:
-                    f.write(json.dumps(row) + "\n")
+                rows += write_rows(BENCH, [{"case": name, "batch": n, "stage": stage, "mode": mode, **result}], out)
         del policy
         torch.cuda.empty_cache()
     return rows
 
 
 if __name__ == "__main__":
-    parser = argparse.ArgumentParser()
-    parser.add_argument("--out", type=Path, required=True)
-    args = parser.parse_args()
-    args.out.mkdir(parents=True, exist_ok=True)
-    run(args.out / "profile.jsonl")
+    run_cli(run, BENCH, __doc__)

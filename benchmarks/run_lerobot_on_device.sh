@@ -2,9 +2,10 @@
 # LeRobot PI0.5 same-run baseline on the GPU machine (no network). Call it from the repository root with
 # `.whl` in the run's carry list:   bash benchmarks/run_lerobot_on_device.sh || echo "lerobot baseline failed";
 # LeRobot's pinned packages (transformers 5.5.4, tokenizers 0.22.2, lerobot 0.6.1, ...) go to /tmp/lrsite and
-# are put on PYTHONPATH for this one python3 only: nothing else in the command sees them. Never fails the caller.
+# are put on PYTHONPATH for this one python3 only: nothing else in the command sees them. Rows go to
+# ${OUT}/lerobot_baseline.jsonl. Never fails the caller.
 python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/lrsite .whl/*.whl \
-  && PYTHONPATH=/tmp/lrsite${PYTHONPATH:+:$PYTHONPATH} PYTHONUNBUFFERED=1 HF_HUB_OFFLINE=1 timeout -k 10 200 \
-     python3 benchmarks/bench_lerobot.py --out "${OUT:-.}/lerobot.jsonl" \
+  && PYTHONPATH=/tmp/lrsite:$PWD${PYTHONPATH:+:$PYTHONPATH} PYTHONUNBUFFERED=1 HF_HUB_OFFLINE=1 timeout -k 10 200 \
+     python3 -m benchmarks.bench_lerobot --out "${OUT:-.}" \
   || echo "lerobot baseline failed (rc=$?)"
 exit 0

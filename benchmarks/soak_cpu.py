@@ -8,8 +8,8 @@ locally built stand-in tokenizer, sampling with its rollout method (``sde``), so
 rollout runs. Resident memory (psutil, else ``VmRSS`` from /proc/self/status) is read after step 1,000
 (warm-up done: allocator pools and caches filled) and after the last step; the growth must be <= 50 MB.
 
-    python benchmarks/soak_cpu.py                      # 10,000 steps, appends to benchmarks/results/soak_cpu.jsonl
-    python benchmarks/soak_cpu.py --steps 2000 --out /tmp/soak.jsonl
+    python -m benchmarks.soak_cpu                      # 10,000 steps, appends to benchmarks/results/soak_cpu.jsonl
+    python -m benchmarks.soak_cpu --steps 2000 --checkpoint 500 --out /tmp/soak
 
 Exit status 1 when the growth exceeds the limit (the row is written either way).
 """
@@ -18,28 +18,21 @@ from __future__ import annotations
 
 import argparse
 import gc
-import json
-import os
-import subprocess
 import sys
 import tempfile
 import time
 import warnings
 from pathlib import Path
 
-import torch
+from benchmarks.common import write_rows
+from policies.pi05.config import Pi05Config
+from policies.pi05.policy import Pi05Policy
+from policies.pi05.tokenizer import build_standin_tokenizer
+from wrappers import PolicyVectorEnv
+from wrappers.adapters.scripted import make_scripted_env
 
-ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
-
-from policies.pi05.config import Pi05Config  # noqa: E402
-from policies.pi05.policy import Pi05Policy  # noqa: E402
-from policies.pi05.tokenizer import build_standin_tokenizer  # noqa: E402
-from wrappers import PolicyVectorEnv  # noqa: E402
-from wrappers.adapters.scripted import make_scripted_env  # noqa: E402
-
+BENCH = "soak_cpu"
 LIMIT_MB = 50.0
-DEFAULT_OUT = ROOT / "benchmarks" / "results" / "soak_cpu.jsonl"
 
 
 def rss_mb() -> float:
@@ -53,14 +46,6 @@ def rss_mb() -> float:
             if line.startswith("VmRSS:"):
                 return int(line.split()[1]) * 1024 / 1e6
     raise RuntimeError("cannot read resident memory: install psutil or run on Linux")
-
-
-def git_commit() -> str:
-    try:
-        out = subprocess.run(["git", "rev-parse", "HEAD"], cwd=ROOT, capture_output=True, text=True, timeout=10)
-    except (OSError, subprocess.SubprocessError):
-        return "unknown"
-    return out.stdout.strip() or "unknown"
 
 
 def soak(steps: int = 10_000, num_envs: int = 2, action_chunk: int = 5, checkpoint: int = 1_000,
@@ -90,7 +75,6 @@ def soak(steps: int = 10_000, num_envs: int = 2, action_chunk: int = 5, checkpoi
     seconds = time.perf_counter() - start
     growth = rss[steps] - rss[checkpoint]
     return {
-        "bench": "soak_cpu",
         "step_definition": "one PolicyVectorEnv.step(None) call = 1 policy.act + action_chunk sub-steps per env",
         "steps": steps,
         "num_envs": num_envs,
@@ -105,11 +89,6 @@ def soak(steps: int = 10_000, num_envs: int = 2, action_chunk: int = 5, checkpoi
         "passed": growth <= LIMIT_MB,
         "seconds": round(seconds, 1),
         "ms_per_step": round(seconds / steps * 1e3, 2),
-        "torch": torch.__version__,
-        "torch_threads": torch.get_num_threads(),
-        "cpu_count": os.cpu_count(),
-        "commit": git_commit(),
-        "date": time.strftime("%Y-%m-%dT%H:%M:%S"),
     }
 
 
@@ -119,15 +98,11 @@ def main() -> int:
     parser.add_argument("--num-envs", type=int, default=2)
     parser.add_argument("--action-chunk", type=int, default=5)
     parser.add_argument("--checkpoint", type=int, default=1_000, help="step after which the baseline RSS is read")
-    parser.add_argument("--out", type=Path, default=DEFAULT_OUT)
+    parser.add_argument("--out", type=Path, default=None, help="folder for soak_cpu.jsonl (default: results/)")
     args = parser.parse_args()
     if not 1 <= args.checkpoint < args.steps:
         parser.error(f"--checkpoint: expected 1 <= checkpoint < steps ({args.steps}), got {args.checkpoint}")
-    row = soak(args.steps, args.num_envs, args.action_chunk, args.checkpoint)
-    print(json.dumps(row), flush=True)
-    args.out.parent.mkdir(parents=True, exist_ok=True)
-    with args.out.open("a") as handle:
-        handle.write(json.dumps(row) + "\n")
+    row = write_rows(BENCH, [soak(args.steps, args.num_envs, args.action_chunk, args.checkpoint)], args.out)[0]
     if not row["passed"]:
         print(f"FAIL: resident memory grew {row['growth_mb']} MB > {LIMIT_MB} MB", file=sys.stderr)
         return 1

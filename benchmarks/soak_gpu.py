@@ -10,32 +10,31 @@ Checks: ``torch.cuda.memory_allocated()`` after warm-up and every 500 steps neve
 (+1 MiB tolerance), and ``scheduler.stats.captures`` is the same before and after the soak (nothing is
 captured on the hot path).
 
-    python benchmarks/soak_gpu.py --out benchmarks/results/soak_gpu.jsonl     # on a GPU, ~2 minutes
-    python benchmarks/soak_gpu.py --dry-run --out /tmp/soak_gpu.jsonl         # CPU smoke test: tiny, 50 steps, batch 2
+    python -m benchmarks.soak_gpu [--out DIR]                 # on a GPU, ~2 minutes; row -> soak_gpu.jsonl
+    python -m benchmarks.soak_gpu --dry-run --out /tmp/soak   # CPU smoke test: tiny, 50 steps, batch 2
 
-`run(out_path)` is the entry point `benchmarks/gpu_suite.py` calls; it returns the JSONL row.
+`run(out)` is the `soak` section of `benchmarks/gpu_suite.py`; it returns the row.
 """
 
 from __future__ import annotations
 
 import argparse
 import dataclasses
-import json
 import sys
+import tempfile
 import time
 from pathlib import Path
 from typing import Any
 
 import torch
 
-ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
+from benchmarks.common import ModelProcessor, make_inputs, write_rows
+from policies.pi05.config import Pi05Config
+from policies.pi05.model import Pi05Model, torch_dtype
+from policies.pi05.policy import Pi05Policy, RolloutConfig
+from policies.pi05.scheduler import SchedulerConfig
 
-from benchmarks.bench_policy import _Processor, env_row, make_inputs  # noqa: E402
-from policies.pi05.config import Pi05Config  # noqa: E402
-from policies.pi05.model import Pi05Model, torch_dtype  # noqa: E402
-from policies.pi05.policy import Pi05Policy, RolloutConfig  # noqa: E402
-from policies.pi05.scheduler import SchedulerConfig  # noqa: E402
+BENCH = "soak_gpu"
 
 SETTING = dict(cams=(0, 1), prompt=48, num_steps=5, horizon=10, chunk=5, batch=1)
 """The LIBERO RL setting of DESIGN C8."""
@@ -63,7 +62,7 @@ def build(dry_run: bool, batch: int) -> Pi05Policy:
         num_steps=(s["num_steps"],), camera_sets=(s["cams"],),
     )  # fmt: skip
     rollout = RolloutConfig(method="sde", num_steps=s["num_steps"], action_chunk=s["chunk"])
-    return Pi05Policy(model, _Processor(s["cams"], (s["prompt"],)), rollout, scheduler)
+    return Pi05Policy(model, ModelProcessor(s["cams"], (s["prompt"],)), rollout, scheduler)
 
 
 def _memory(device: torch.device) -> int:
@@ -75,7 +74,7 @@ def _memory(device: torch.device) -> int:
 
 def run(out_path: str | Path | None, steps: int = 5_000, every: int = 500, warmup: int = 20,
         dry_run: bool = False, batch: int | None = None) -> dict[str, Any]:
-    """Runs the soak; appends one JSONL row to `out_path` (if given) and returns it (batch default: 8)."""
+    """Runs the soak (batch default: 1); appends its row to ``soak_gpu.jsonl`` under `out_path` (None: results/)."""
     if not dry_run and not torch.cuda.is_available():
         raise RuntimeError("soak_gpu: needs a CUDA GPU (use --dry-run for the CPU smoke test)")
     start = time.perf_counter()
@@ -104,8 +103,6 @@ def run(out_path: str | Path | None, steps: int = 5_000, every: int = 500, warmu
     captures_after = policy.scheduler.stats.captures
     peak = max(x["bytes"] for x in samples)
     row = {
-        **env_row(),
-        "bench": "soak_gpu",
         "dry_run": dry_run,
         "config": "tiny (CPU dry run)" if dry_run else "pi05_base",
         "dtype": policy.config.dtype,
@@ -130,27 +127,23 @@ def run(out_path: str | Path | None, steps: int = 5_000, every: int = 500, warmu
     memory_ok = device.type == "cpu" or peak - baseline <= TOLERANCE_BYTES
     row["passed"] = bool(memory_ok and captures_after == captures_before)
     policy.close()
-    if out_path is not None:
-        path = Path(out_path)
-        path.parent.mkdir(parents=True, exist_ok=True)
-        with path.open("a") as handle:
-            handle.write(json.dumps(row) + "\n")
-    return row
+    return write_rows(BENCH, [row], out_path)[0]
 
 
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--out", type=Path, default=None, help="JSONL file to append the row to")
+    parser.add_argument("--out", type=Path, default=None,
+                        help="folder for soak_gpu.jsonl (default: results/, a temporary folder with --dry-run)")
     parser.add_argument("--steps", type=int, default=None, help="default 5000 (50 with --dry-run)")
     parser.add_argument("--every", type=int, default=None, help="memory sample period (default 500; 10 dry)")
     parser.add_argument("--dry-run", action="store_true", help="tiny config on CPU (smoke test of this script)")
-    parser.add_argument("--batch", type=int, default=None, help="default 8 (2 with --dry-run)")
+    parser.add_argument("--batch", type=int, default=None, help="default 1 (2 with --dry-run)")
     args = parser.parse_args()
     steps = args.steps or (50 if args.dry_run else 5_000)
     every = args.every or (10 if args.dry_run else 500)
     batch = args.batch or (2 if args.dry_run else SETTING["batch"])
-    row = run(args.out, steps=steps, every=every, warmup=5 if args.dry_run else 20, dry_run=args.dry_run, batch=batch)
-    print(json.dumps(row), flush=True)
+    out = args.out or (Path(tempfile.gettempdir()) / "phyai_soak_gpu_dry_run" if args.dry_run else None)
+    row = run(out, steps=steps, every=every, warmup=5 if args.dry_run else 20, dry_run=args.dry_run, batch=batch)
     if not row["passed"]:
         print(
             f"FAIL: memory grew {row['memory_growth_bytes']} bytes or captures changed "

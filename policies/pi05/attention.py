@@ -6,7 +6,7 @@ valid tokens; suffix: valid prefix keys plus all action tokens). So one signatur
 
 The "gemm" backend serves the denoise loop: a few action tokens against a long prefix cache, with one K/V head.
 There the fused attention kernels launch one tile of queries per (batch, head) and walk the whole cache
-sequentially (about 56 us per call at batch 1 on an H200, most of the denoise time). Folding the query heads
+sequentially, few tiles for a small batch: at batch 1 that is most of the denoise time. Folding the query heads
 that share the K/V head into rows makes attention two batched GEMMs and a softmax over (B, Nh*T, S) scores:
 float32 scores (bf16 operands, float32 accumulation and output on CUDA), float32 softmax, probabilities cast
 to the value dtype for the second GEMM. Where it does not apply (several K/V heads, very large score tensors outside
@@ -81,8 +81,8 @@ def _sdpa(q, k, v, key_mask, scale):
 
 GEMM_MAX_SCORES = 1 << 22
 """Above this many score elements (B * Nh * T * S) the "gemm" backend hands over to SDPA: the float32 score
-tensor's memory traffic then outweighs the fused kernel's poor occupancy. Measured on an H200 (graph-captured,
-per call, SDPA vs gemm): 407k scores 56 vs 24 us, 2.9M 161 vs 64 us, 3.3M 58 vs 58 us, 6.5M 66 vs 99 us."""
+tensor's memory traffic then outweighs the fused kernel's poor occupancy (the crossover is measured by
+`benchmarks/bench_expert_attention.py`)."""
 
 _OUT_DTYPE_OK: dict[str, bool] = {}  # device type -> whether bmm/baddbmm accept out_dtype for half operands
 

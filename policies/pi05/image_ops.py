@@ -110,7 +110,7 @@ def _resize_antialias(x: torch.Tensor, height: int, width: int) -> torch.Tensor:
     """PIL ``Image.resize((width, height), BILINEAR)`` of uint8 (B, H, W, 3) images -> (B, h, w, 3).
 
     Horizontal pass first, intermediate rounded to uint8, then the vertical pass (PIL's order). On CPU the
-    batch is processed in chunks so that the int32 temporaries stay in cache (about 10x faster).
+    batch is processed in chunks so that the int32 temporaries stay in cache.
     """
     if x.device.type == "cpu":
         per_image = x.shape[1] * max(x.shape[2], width) * 3

@@ -1,0 +1,74 @@
+"""Expert attention alone at the C8 shapes, SDPA (cuDNN) against the folded-MQA "gemm" path: the basis of the
+`GEMM_MAX_SCORES` hand-over in `policies/pi05/attention.py`.
+
+    python -m benchmarks.bench_expert_attention [--out DIR]   # on a GPU; rows -> expert_attention.jsonl
+
+Each call is captured 20 times in one CUDA graph (no launch overhead); the row gives the median per-call time.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from benchmarks.common import run_cli, write_rows
+
+BENCH = "expert_attention"
+
+
+def graph_time_us(fn, calls: int = 20, reps: int = 10) -> float:
+    """Per-call GPU time of `fn` captured `calls` times in one CUDA graph (no launch overhead), median of reps."""
+    with torch.no_grad():
+        side = torch.cuda.Stream()
+        side.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(side):
+            for _ in range(3):
+                fn()
+        torch.cuda.current_stream().wait_stream(side)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            for _ in range(calls):
+                fn()
+    times = []
+    for _ in range(reps):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        graph.replay()
+        end.record()
+        torch.cuda.synchronize()
+        times.append(start.elapsed_time(end) * 1e3 / calls)
+    return sorted(times)[len(times) // 2]
+
+
+def run(out: Path | None = None, batches: tuple[int, ...] = (1, 4, 8, 16, 32, 64)) -> list[dict[str, Any]]:
+    """One row per (case, batch) with both backends' time; appends to ``expert_attention.jsonl``."""
+    from policies.pi05 import attention
+    from policies.pi05.config import Pi05Config
+
+    rows = []
+    cfg = Pi05Config.pi05_base().expert
+    limit, attention.GEMM_MAX_SCORES = attention.GEMM_MAX_SCORES, 1 << 62  # force the gemm path
+    try:
+        for name, (cams, prompt, horizon) in {"a": (3, 200, 50), "b": (2, 48, 10)}.items():
+            s = cams * 256 + prompt + horizon
+            for b in batches:
+                q = torch.randn(b, horizon, cfg.num_heads, cfg.head_dim, device="cuda").transpose(1, 2).bfloat16()
+                k = torch.randn(b, 1, s, cfg.head_dim, device="cuda").bfloat16()
+                v = torch.randn(b, 1, s, cfg.head_dim, device="cuda").bfloat16()
+                mask = attention.additive_mask(torch.ones(b, s, dtype=torch.bool, device="cuda"), torch.float32)
+                row: dict[str, Any] = {"case": name, "batch": b, "keys": s, "scores": b * cfg.num_heads * horizon * s}
+                for backend in ("sdpa", "gemm"):
+                    m = mask.to(torch.bfloat16) if backend == "sdpa" else mask
+                    row[f"{backend}_us"] = graph_time_us(
+                        lambda q=q, k=k, v=v, m=m, be=backend: attention.attend(q, k, v, m, cfg.head_dim**-0.5, be)
+                    )
+                rows += write_rows(BENCH, [row], out)
+    finally:
+        attention.GEMM_MAX_SCORES = limit
+    return rows
+
+
+if __name__ == "__main__":
+    run_cli(run, BENCH, __doc__)

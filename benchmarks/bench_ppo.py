@@ -1,10 +1,10 @@
 """The PPO update at full size (DESIGN C9): update throughput, update-0 ratio, act() across batch sizes, iteration.
 
-    python benchmarks/bench_ppo.py --out DIR [--which update ratio act iteration]
+    python -m benchmarks.bench_ppo [--out DIR] [--which update ratio act iteration]
 
 LIBERO RL setting: pi05_base geometry, 2 cameras, 48-token prompt, K=5 joint flow-SDE, H=10, C=5, A=7, prefix
-values, trainable = expert, random weights (every weight randomised). Rows (one JSON object per line) go to
-DIR/ppo.jsonl:
+values, trainable = expert, random weights (every weight randomised). Rows go to <bench>.jsonl (results/ or
+DIR):
   ppo_update     minibatch samples/s of evaluate() forward + backward + optimizer step (incl. the master copies),
                  for the default trainer (rollout's bf16 + float32 masters; the rollout's prefix K/V kept), the
                  same with the prefix encoded once per rollout batch (its cost shared over 4 epochs x 2
@@ -17,30 +17,25 @@ DIR/ppo.jsonl:
 from __future__ import annotations
 
 import argparse
-import json
-import os
-import subprocess
+import tempfile
 import time
+import traceback
 from dataclasses import replace
 from pathlib import Path
 
 import numpy as np
 import torch
 
+from benchmarks.common import write_rows
+
 ROOT = Path(__file__).resolve().parents[1]
 SETTING = "libero_rl"
 BATCH, MINIBATCH, EPOCHS = 64, 32, 4
 
 
-def _row(out: Path, row: dict) -> None:
-    commit = os.environ.get("PHYAI_GYM_COMMIT") or subprocess.run(
-        ["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, capture_output=True, text=True
-    ).stdout.strip()
-    gpu = torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu"
-    row = {"gpu": gpu, "torch": torch.__version__, "commit": commit or "unknown", **row}
-    print(json.dumps(row), flush=True)
-    with (out / "ppo.jsonl").open("a") as f:
-        f.write(json.dumps(row) + "\n")
+def _row(out: Path | None, row: dict) -> None:
+    bench = row.pop("bench")
+    write_rows(bench, [row], out)
 
 
 def _config():
@@ -252,7 +247,7 @@ def bench_iteration(out: Path, iterations: int = 16) -> None:
 
     example = runpy.run_path(str(ROOT / "examples" / "ppo_pi05.py"))
     args = example["parse_args"](["--config", "base", "--device", "cuda", "--total-iterations", str(iterations),
-                                  "--csv", str(out / "ppo_iteration.csv")])
+                                  "--csv", str((out or Path(tempfile.mkdtemp())) / "ppo_iteration.csv")])
     t0 = time.perf_counter()
     result = example["train"](args)
     curve = result["curve"]
@@ -271,20 +266,24 @@ def bench_iteration(out: Path, iterations: int = 16) -> None:
 WHICH = {"update": bench_update, "ratio": bench_ratio, "act": bench_act, "iteration": bench_iteration}
 
 
+def run(out: Path | None = None, which=tuple(WHICH)) -> None:
+    """Every measurement in `which` (the `ppo` section of gpu_suite.py); one failing does not lose the others."""
+    if out is not None:
+        out.mkdir(parents=True, exist_ok=True)
+    for name in which:
+        try:
+            WHICH[name](out)
+        except Exception as err:  # noqa: BLE001
+            _row(out, {"bench": f"ppo_{name}_error", "error": f"{type(err).__name__}: {err}"[:2000]})
+            traceback.print_exc()
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--out", type=Path, required=True)
+    parser.add_argument("--out", type=Path, default=None, help="folder for the JSONL files (default: results/)")
     parser.add_argument("--which", nargs="+", default=list(WHICH), choices=list(WHICH))
     args = parser.parse_args()
-    args.out.mkdir(parents=True, exist_ok=True)
-    for name in args.which:
-        try:
-            WHICH[name](args.out)
-        except Exception as err:  # noqa: BLE001  (one failing measurement must not lose the others)
-            _row(args.out, {"bench": name, "error": f"{type(err).__name__}: {err}"[:2000]})
-            import traceback
-
-            traceback.print_exc()
+    run(args.out, args.which)
 
 
 if __name__ == "__main__":

@@ -117,6 +117,7 @@ SECTIONS: dict[str, Section] = {
     "broadcast": broadcast,
     "overlap": section("benchmarks.bench_overlap"),
     "batch_invariance": section("benchmarks.bench_batch_invariance"),
+    "ppo": section("benchmarks.bench_ppo"),
 }
 """Section name -> function of the output folder, in the order ``--sections`` defaults to."""
 

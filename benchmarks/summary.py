@@ -73,6 +73,12 @@ TABLES: dict[str, Table] = {
     "lerobot_baseline": Table(("case", "batch"), ("p50_ms", "samples_per_s", "peak_mem_gib", "error")),
     "ppo_example": Table(("case",), ("iteration", "sps", "time_rollout", "time_train", "time_sync", "approx_kl")),
     "ppo_curves": Table(("case", "seed"), ("iteration", "success_rate", "final_stochastic", "final_deterministic")),
+    "ppo_update": Table(("trainer", "setting", "minibatch"), ("samples_per_s", "minibatch_ms_p50", "peak_mem_gib",
+                                                             "kernels_per_minibatch")),
+    "update0_ratio": Table(("trainer", "setting", "batch"), ("mean_abs_log_ratio", "clip_fraction", "approx_kl")),
+    "act_public": Table(("setting", "batch"), ("samples_per_s", "p50_ms", "ratio_to_64", "bucket")),
+    "ppo_iteration": Table(("config", "env"), ("iteration_s_p50", "rollout_s_p50", "update_s_p50", "sync_s_p50",
+                                              "final_success_deterministic")),
 }
 """Case and shown fields per benchmark (add a line with a new benchmark)."""
 

@@ -146,3 +146,25 @@ def test_trainer_sharing_the_rollout_prefix_computes_the_same() -> None:
     other.model.double()
     with pytest.raises(ValueError, match=r"share_prefix\(other\): expected a model of the same prefix geometry"):
         trainer.model.share_prefix(other.model)
+
+
+def test_buckets_declared_by_the_wrapper_serve_100_steps_with_autoresets() -> None:
+    """PolicyVectorEnv declares N; every call then runs at bucket N and no bucket is ever added again."""
+    from phyai_gym.make import make_env, make_policy
+    from wrappers import PolicyVectorEnv
+
+    policy = make_policy(action_dim=1, max_batch_size=4)
+    assert policy.scheduler.bucket_for(3) == 4
+    envs = PolicyVectorEnv(make_env("target", 3, num_targets=2, episode_length=2), policy, action_chunk=1)
+    buckets = policy.scheduler.config.batch_buckets
+    assert policy.scheduler.bucket_for(3) == 3
+    served = []
+    run_denoise = policy.scheduler._run_denoise  # act() calls (final values of finished rows run the prefix only)
+    policy.scheduler._run_denoise = lambda b, *args: served.append(b) or run_denoise(b, *args)
+    envs.reset(seed=0)
+    resets = 0
+    for _ in range(100):
+        _, _, terminated, truncated, _ = envs.step()
+        resets += int((terminated | truncated).sum())
+    envs.close()
+    assert resets >= 100 and set(served) == {3} and policy.scheduler.config.batch_buckets == buckets

@@ -1,8 +1,9 @@
 """`Pi05Policy`: processor -> scheduler (graphs on CUDA, eager on CPU) -> env-space action chunks.
 
-The policy owns per-env random streams (DESIGN C3), the rollout settings, the weight version, and the
-weight-sync hook (`weight_sync.py`). `act()` is serialised by a lock; on CUDA it returns once the replays
-are queued, and a weight commit is ordered after them on the compute stream (C6).
+The policy owns per-env random streams (DESIGN C3), the rollout settings, and a `WeightSync` (C6,
+`weight_sync.py`, `broadcast.py`) that holds the weight version and the update transaction. `act()` is
+serialised by a lock; on CUDA it returns once the replays are queued, and a weight commit is ordered after
+them on the compute stream (C6).
 """
 
 from __future__ import annotations
@@ -19,6 +20,7 @@ import torch
 from ..base import PolicyOutput, RolloutHeader
 from ..rng import StreamTable
 from .attention import AttentionConfig
+from .broadcast import DEFAULT_BUCKET_BYTES, broadcast_weights
 from .checkpoint import LoadReport, load_config, load_weights, save_weights
 from .config import Pi05Config
 from .evaluate import EvalOutput, evaluate_rollout
@@ -26,7 +28,7 @@ from .inputs import ModelInputs
 from .model import Pi05Model, randomize_parameters_, torch_dtype
 from .sampler import METHODS, SamplingOptions
 from .scheduler import Pi05Scheduler, SchedulerConfig
-from .weight_sync import WeightSyncMixin
+from .weight_sync import WeightSource, WeightSync, WeightUpdateReport
 
 
 @dataclass
@@ -60,7 +62,7 @@ class RolloutConfig:
             raise ValueError(f"RolloutConfig.method: expected one of {METHODS}, got {self.method!r}.")
 
 
-class Pi05Policy(WeightSyncMixin):
+class Pi05Policy:
     """PI0.5 policy over canonical observations (DESIGN C1), usable without Gymnasium.
 
     Example:
@@ -103,9 +105,9 @@ class Pi05Policy(WeightSyncMixin):
             )
         self.scheduler = Pi05Scheduler(model, scheduler)
         self.streams = StreamTable(self.device)
-        self.weight_version = 0
         self._lock = threading.RLock()
         self._closed = False
+        self.weight_sync = WeightSync(model, lambda: self.scheduler.refresh_tables(), self._lock)
         self.model.eval()
         self.set_trainable(self.rollout.trainable)
         self.scheduler.setup()
@@ -411,6 +413,51 @@ class Pi05Policy(WeightSyncMixin):
                 train_prefix=self.rollout.trainable == "all",
             )
 
+    # ------------------------------------------------------------------------------- weight sync (C6)
+    @property
+    def weight_version(self) -> int:
+        """Version of the served weights: 0 at construction, then what the last committed update set."""
+        return self.weight_sync.version
+
+    def begin_weight_update(self, expected: str | Sequence[str] = "trainable") -> None:
+        """Open an update that must deliver `expected`: "trainable", "all" or a list of names (`WeightSync`)."""
+        self.weight_sync.begin(expected)
+
+    def update_weights(self, named_tensors: WeightSource) -> int:
+        """Validate and stage (name, tensor) pairs or a mapping; returns how many; `act()` keeps serving."""
+        return self.weight_sync.stage(named_tensors)
+
+    def finish_weight_update(self, *, version: int | None = None) -> WeightUpdateReport:
+        """Check (complete, finite, version increasing), then commit in place behind the last replay."""
+        return self.weight_sync.finish(version)
+
+    def abort_weight_update(self) -> None:
+        """Drop the open update; the weights stay bit-identical."""
+        self.weight_sync.abort()
+
+    def sync_weights(self, source: WeightSource, expected: str | Sequence[str] = "trainable") -> WeightUpdateReport:
+        """One-call update from a module, a state dict or pairs; parameters outside `expected` are skipped."""
+        return self.weight_sync.sync(source, expected)
+
+    def broadcast_weights(
+        self,
+        source: WeightSource | None = None,
+        *,
+        src: int = 0,
+        group: Any = None,
+        expected: str | Sequence[str] = "trainable",
+        bucket_bytes: int = DEFAULT_BUCKET_BYTES,
+        version: int | None = None,
+    ) -> WeightUpdateReport:
+        """`broadcast.broadcast_weights` into this policy: every rank of `group` commits, or every rank aborts."""
+        return broadcast_weights(
+            self.weight_sync, source, src=src, group=group, expected=expected, bucket_bytes=bucket_bytes,
+            version=version,
+        )  # fmt: skip
+
+    def _weights_in_use(self) -> Any:
+        return self.weight_sync.reading()
+
     # --------------------------------------------------------------------------------------- lifecycle
     def _check_open(self) -> None:
         if self._closed:
@@ -419,6 +466,6 @@ class Pi05Policy(WeightSyncMixin):
     def close(self) -> None:
         """Release graphs and buffers; further calls raise. A weight update in flight is aborted."""
         with self._lock:
-            self._abort_weight_update_for_close()  # weight sync (C6): same lock, so no race with finish
+            self.weight_sync.close()  # weight sync (C6): same lock, so no race with finish
             self._closed = True
             self.scheduler = None  # type: ignore[assignment]

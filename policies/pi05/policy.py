@@ -429,7 +429,7 @@ class Pi05Policy:
 
     def finish_weight_update(self, *, version: int | None = None) -> WeightUpdateReport:
         """Check (complete, finite, version increasing), then commit in place behind the last replay."""
-        return self.weight_sync.finish(version)
+        return self.weight_sync.commit(version)
 
     def abort_weight_update(self) -> None:
         """Drop the open update; the weights stay bit-identical."""

@@ -127,9 +127,9 @@ def commit_then_abort(rank: int, world: int) -> dict[str, Any]:
 
 
 def refusals(rank: int, world: int) -> dict[str, Any]:
-    """Rank 1's model has a different value head (shape mismatch) -> refused before data moves; then the
-    source's DTensor fails to materialise mid-stream -> abort; then a stale explicit version -> refused; then a
-    NaN from the source -> abort."""
+    """Rank 1's model has a different value head (shape mismatch) -> abort; then the source's DTensor fails to
+    materialise mid-stream -> abort; then a stale explicit version -> refused before any data; then a NaN from the
+    source -> abort."""
     out: dict[str, Any] = {}
     policy = make_policy(0, value_source="prefix" if rank == 1 else "suffix")
     before = {n: p.detach().clone() for n, p in policy.model.named_parameters()}
@@ -314,9 +314,9 @@ def test_commit_everywhere_then_abort_everywhere(tmp_path: Path) -> None:
 def test_refusals_abort_every_rank(tmp_path: Path) -> None:
     results = run("refusals", 2, tmp_path)
     for res in results:
-        assert not res["shape"]["ok"] and "rank 1 refused the manifest" in res["shape"]["error"]
+        assert not res["shape"]["ok"] and "rank 1 failed while sending, receiving or" in res["shape"]["error"]
         assert not res["dtensor"]["ok"] and "rank 0 failed while sending" in res["dtensor"]["error"]
-        assert not res["version"]["ok"] and "rank 0 refused the manifest" in res["version"]["error"]
+        assert not res["version"]["ok"] and "rank 0 refused the update" in res["version"]["error"]
         assert "version must increase" in res["version"]["error"]
         assert not res["nan"]["ok"] and "rank 1 failed while sending, receiving or validating" in res["nan"]["error"]
         assert all(res[f"{key}_unchanged"] for key in ("shape", "dtensor", "version", "nan"))

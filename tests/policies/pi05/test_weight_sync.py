@@ -515,29 +515,6 @@ def test_fused_buffers_are_a_copy_refreshed_at_commit_and_load(tmp_path) -> None
     assert [t.data_ptr() for pair in model.fused_expert for t in pair] == buffers  # storage kept: graphs valid
 
 
-def test_manifest_check_refuses_before_any_data() -> None:
-    """`check_manifest` says per entry what will be staged, and refuses what the model no longer has."""
-    policy = make_policy(make_model(seed=0))
-    trainable = dict(policy.trainable_parameters())
-    frozen = next(n for n, p in policy.model.named_parameters() if n not in trainable)
-    manifest = [(n, tuple(p.shape), p.dtype) for n, p in trainable.items()] + [
-        (frozen, tuple(policy.model.get_parameter(frozen).shape), torch.float32)
-    ]
-    policy.begin_weight_update("trainable")
-    assert policy.weight_sync.check_manifest(manifest) == [True] * len(trainable) + [False]
-    policy.abort_weight_update()
-    policy.begin_weight_update("trainable")
-    with pytest.raises(WeightSyncError, match=r"1 of the .* expected parameters"):
-        policy.weight_sync.check_manifest(manifest[1:])
-    assert not policy.weight_sync.in_progress
-    module_path, _, leaf = frozen.rpartition(".")
-    del policy.model.get_submodule(module_path)._parameters[leaf]
-    policy.begin_weight_update("trainable")
-    with pytest.raises(WeightSyncError, match=f"{frozen!r} names no parameter of this model"):
-        policy.weight_sync.check_manifest(manifest)
-    assert not policy.weight_sync.in_progress
-
-
 def test_bf16_sync_refreshes_the_step_tables() -> None:
     """In bf16 the denoise loop reads a bf16 copy of the fp32 modulation table (in fp32 it is the same tensor):
     a sync must refresh both."""

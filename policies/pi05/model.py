@@ -58,9 +58,6 @@ class PrefixCache:
     suffix_mask: torch.Tensor | None = None
 
 
-_FUSED_NAMES = (("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj"), ("mlp.gate_proj", "mlp.up_proj"))
-"""The expert modules whose weights make up each layer's fused [q;k;v] and [gate;up] buffers, in row order."""
-
 
 def sinusoidal_time_embedding(
     t: torch.Tensor, dim: int, min_period: float, max_period: float, dtype: torch.dtype = torch.float32
@@ -176,9 +173,10 @@ class Pi05Model(nn.Module):
             return
         rows: list[torch.Tensor] = []
         weights: list[torch.Tensor] = []
-        for buffers, layer in zip(self.fused_expert, self.expert.layers):
-            for buf, names in zip(buffers, _FUSED_NAMES):
-                parts = [layer.get_submodule(n).weight for n in names]
+        for (qkv, mlp), layer in zip(self.fused_expert, self.expert.layers):
+            attn, ffn = layer.self_attn, layer.mlp  # row order as in `fused_weight()`
+            for buf, parts in ((qkv, [attn.q_proj.weight, attn.k_proj.weight, attn.v_proj.weight]),
+                               (mlp, [ffn.gate_proj.weight, ffn.up_proj.weight])):  # fmt: skip
                 rows += buf.split([w.shape[0] for w in parts])
                 weights += parts
         with torch.no_grad():

@@ -223,8 +223,9 @@ class WeightSync:
                     arenas = [a for a in txn.arenas.values() if a.numel() and a.is_floating_point()]
                     flags = [torch.stack(torch.aminmax(a)) for a in arenas]
                     txn.flag = torch.cat([torch.ones(1, device=self.device), *flags]).isfinite().all()
-                if txn.stream is not None:
+                if txn.stream is not None:  # read on the current stream from now on
                     torch.cuda.current_stream(self.device).wait_stream(txn.stream)
+                    txn.flag.record_stream(torch.cuda.current_stream(self.device))
             return txn.flag
 
     def commit(self, version: int | None = None, *, checked: bool = False, where: str = "finish_weight_update") -> (

@@ -20,7 +20,7 @@ import torch
 from ..base import PolicyOutput, RolloutHeader
 from ..rng import StreamTable
 from .attention import AttentionConfig
-from .broadcast import DEFAULT_BUCKET_BYTES, broadcast_weights
+from .broadcast import broadcast_weights
 from .checkpoint import LoadReport, load_config, load_weights, save_weights
 from .config import Pi05Config
 from .evaluate import EvalOutput, evaluate_rollout
@@ -439,21 +439,12 @@ class Pi05Policy:
         """One-call update from a module, a state dict or pairs; parameters outside `expected` are skipped."""
         return self.weight_sync.sync(source, expected)
 
-    def broadcast_weights(
-        self,
-        source: WeightSource | None = None,
-        *,
-        src: int = 0,
-        group: Any = None,
-        expected: str | Sequence[str] = "trainable",
-        bucket_bytes: int = DEFAULT_BUCKET_BYTES,
-        version: int | None = None,
-    ) -> WeightUpdateReport:
-        """`broadcast.broadcast_weights` into this policy: every rank of `group` commits, or every rank aborts."""
-        return broadcast_weights(
-            self.weight_sync, source, src=src, group=group, expected=expected, bucket_bytes=bucket_bytes,
-            version=version,
-        )  # fmt: skip
+    def broadcast_weights(self, source: WeightSource | None = None, **options: Any) -> WeightUpdateReport:
+        """`broadcast.broadcast_weights` into this policy: every rank of the group commits, or every rank aborts.
+
+        `options`: src, group, expected, bucket_bytes, version, device, as there.
+        """
+        return broadcast_weights(self.weight_sync, source, **options)
 
     def _weights_in_use(self) -> Any:
         return self.weight_sync.reading()

@@ -609,8 +609,8 @@ def test_cuda_commit_is_stream_ordered_without_sync(host_source: bool) -> None:
     assert_same_outputs(queued, old_ref)
     assert_same_outputs(after, new_ref)
     assert policy.scheduler.stats.captures == captures  # nothing recaptured
-    # the staging buffers are kept between updates: a second update right behind the first must not overwrite
-    # them before the first commit (queued behind the sleep) has read them
+    # back-to-back updates behind busy GPU work: the second stages (possibly into memory the allocator recycles
+    # from the first's buffers) before the first commit has run, and each replay sees the weights committed before it
     back = {n: p.detach() for n, p in make_model(seed=0, device="cuda").named_parameters()}
     busy_gpu()
     policy.sync_weights(state, expected="all")  # the same weights again (version 2): its commit waits

@@ -4,7 +4,7 @@ Nothing is pickled (`dist.broadcast` of tensors, one `dist.all_reduce`), so it r
 
 1. Header int64[8] (magic, protocol, status, tensors, shape dims, name bytes, bucket bytes, version or -1), then
    the manifest int64[dtype codes | ndims | name lengths | shape dims | UTF-8 names, zero-padded].
-2. Each rank with a policy opens its update (the version must increase).
+2. Each rank with a policy opens its update while the manifest is built and sent; the version must increase.
 3. The payload (one region per dtype, tensors back to back) goes in buckets of at most `bucket_bytes`, two in
    flight; each rank with a policy validates and stages what a bucket completes while the next one travels.
 4. One vote: all_reduce(MIN) of (ok, -version, 2 x failed rank + phase), the finiteness flag and-ed in on the
@@ -144,8 +144,12 @@ class _Broadcast:
 
     def run(self, source: Any, expected: str | Sequence[str], bucket: int, version: int | None) -> WeightUpdateReport:
         started = time.perf_counter()
+        self.open(expected)  # needs no manifest: the parameter walk overlaps rank src building it
         entries, bucket, sent_version = self.manifest(source, expected, bucket, version)
-        self.open(expected, sent_version)
+        current = self.sync.version if self.sync is not None else -1
+        if 0 <= sent_version <= current:
+            self.fail(WeightSyncError(f"broadcast_weights: version must increase: rank {self.rank} is at {current}, "
+                                      f"received {sent_version}; pass a larger version or None."), refused=True)
         self.transfer(entries, bucket)
         all_ok, max_version, failed, refused = self.vote(entries)
         if not all_ok:
@@ -190,12 +194,9 @@ class _Broadcast:
             entries = entries if self.rank == self.src else _decode(wire.cpu(), n, dims, name_bytes)
         return entries, bucket, sent_version
 
-    def open(self, expected: Any, sent_version: int) -> None:
+    def open(self, expected: Any) -> None:
         """2. Open this rank's update (a refusal: keep receiving, vote no)."""
         try:
-            if self.sync is not None and 0 <= sent_version <= self.sync.version:
-                raise WeightSyncError(f"broadcast_weights: version must increase: rank {self.rank} is at "
-                                      f"{self.sync.version}, received {sent_version}; pass a larger version or None.")
             if self.sync is not None:
                 self.sync.begin(expected)
                 self.opened = True

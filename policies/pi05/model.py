@@ -13,6 +13,7 @@ camera is exactly a removed camera.
 from __future__ import annotations
 
 import math
+from collections.abc import Mapping
 from dataclasses import dataclass
 
 import torch
@@ -56,7 +57,6 @@ class PrefixCache:
     suffix_offset: int | None = None
     suffix_rope: tuple[torch.Tensor, torch.Tensor] | None = None
     suffix_mask: torch.Tensor | None = None
-
 
 
 def sinusoidal_time_embedding(
@@ -231,21 +231,31 @@ class Pi05Model(nn.Module):
 
     # ---------------------------------------------------------------------------------------- expert
     def time_condition(
-        self, t: torch.Tensor, embeddings: dict[torch.dtype, torch.Tensor] | None = None
+        self,
+        t: torch.Tensor,
+        values: Mapping[str, torch.Tensor] | None = None,
+        embeddings: dict[torch.dtype, torch.Tensor] | None = None,
     ) -> torch.Tensor:
         """(B,) times -> (B, We) float32 adaRMS condition: swish(out(swish(in(sincos(t))))).
 
-        `embeddings` memoises sincos(t) per dtype for a fixed `t` (the rollout tables' step times): it depends on
-        no weight.
+        `values` (parameter name -> tensor) replaces the time MLP's parameters it names (a weight update computes
+        its tables from the staged values before they are committed). `embeddings` memoises sincos(t) per dtype
+        for a fixed `t` (the rollout tables' step times): it depends on no weight.
         """
-        cfg = self.config
-        dtype = upcast_dtype(self.time_mlp_in.weight.dtype)
+        cfg, values = self.config, values or {}
+        w_in, b_in, w_out, b_out = (
+            values.get(f"{name}.{leaf}", getattr(getattr(self, name), leaf))
+            for name in ("time_mlp_in", "time_mlp_out")
+            for leaf in ("weight", "bias")
+        )
+        dtype = upcast_dtype(w_in.dtype)
         emb = None if embeddings is None else embeddings.get(dtype)
         if emb is None:
             emb = sinusoidal_time_embedding(t, cfg.expert.width, cfg.min_period, cfg.max_period, dtype)
             if embeddings is not None:
                 embeddings[dtype] = emb
-        return F.silu(self.time_mlp_out(F.silu(self.time_mlp_in(emb))))
+        hidden = F.silu(F.linear(emb, w_in, b_in))
+        return F.silu(F.linear(hidden, w_out, b_out))
 
     def modulations(self, cond: torch.Tensor) -> list[Modulation]:
         """(B, We) condition -> one (scale, shift, gate) per adaRMS norm (2 per layer, then the final norm)."""

@@ -27,9 +27,8 @@ import torch.distributed as dist
 
 from benchmarks.common import ModelProcessor as _Processor
 from benchmarks.common import write_rows
-from policies.pi05 import distributed_sync
+from policies.pi05.broadcast import DEFAULT_BUCKET_BYTES, broadcast_weights
 from policies.pi05.config import Pi05Config
-from policies.pi05.distributed_sync import DEFAULT_BUCKET_BYTES, broadcast_weights
 from policies.pi05.model import Pi05Model
 from policies.pi05.policy import Pi05Policy, RolloutConfig
 from policies.pi05.scheduler import SchedulerConfig
@@ -51,8 +50,6 @@ def main() -> None:
                         help="the trace records GPU activity only (host timing then stays close to an untraced run)")
     parser.add_argument("--high-priority", action="store_true",
                         help="NCCL process group on high-priority streams (ProcessGroupNCCL.Options)")
-    parser.add_argument("--window-checks", choices=("on", "off"), default="on",
-                        help="off: one finiteness reduction of the staging buffers after the last window")
     args = parser.parse_args()
     cuda = torch.cuda.is_available()
     options = None
@@ -88,10 +85,7 @@ def main() -> None:
     bucket = DEFAULT_BUCKET_BYTES if args.buckets is None else max(16, -(-nbytes // args.buckets))
     flat = torch.empty(nbytes, dtype=torch.uint8, device=device)
     raw, synced = [], []
-    phases: list[dict[str, float]] = []  # per timed iteration: phase -> ms since t0 (host clock, this rank)
-    marks: list[tuple[str, float]] = []
-    distributed_sync.phase_hook = lambda name: marks.append((name, time.perf_counter()))
-    distributed_sync.window_checks = args.window_checks == "on"
+    sync = policy.weight_sync if policy is not None else None
     for it in range(args.iters + 1):
         dist.barrier()
         if cuda:
@@ -105,17 +99,12 @@ def main() -> None:
         dist.barrier()
         if cuda:
             torch.cuda.synchronize()
-        marks.clear()
         t0 = time.perf_counter()
-        report = broadcast_weights(
-            policy, source if rank == 0 else None, src=0, expected="trainable", bucket_bytes=bucket
-        )
+        report = broadcast_weights(sync, source if rank == 0 else None, expected="trainable", bucket_bytes=bucket)
         if cuda:
             torch.cuda.synchronize()
         if it:
             synced.append((time.perf_counter() - t0) * 1e3)
-            phases.append({name: (t - t0) * 1e3 for name, t in marks} | {"end": synced[-1]})
-    distributed_sync.phase_hook = None
     if args.trace_dir is not None:  # one profiled broadcast per rank: where the time beyond raw NCCL goes
         from torch.profiler import ProfilerActivity, profile
 
@@ -125,7 +114,7 @@ def main() -> None:
         if cuda:
             torch.cuda.synchronize()
         with profile(activities=activities) as prof:
-            broadcast_weights(policy, source if rank == 0 else None, src=0, expected="trainable", bucket_bytes=bucket)
+            broadcast_weights(sync, source if rank == 0 else None, src=0, expected="trainable", bucket_bytes=bucket)
             if cuda:
                 torch.cuda.synchronize()
         args.trace_dir.mkdir(parents=True, exist_ok=True)
@@ -139,13 +128,6 @@ def main() -> None:
     raw_slowest = times[0].max(0).values.tolist()
     slowest = times[1].max(0).values.tolist()
     per_rank = [_p50(times[1, r].tolist()) for r in range(dist.get_world_size())]
-    # each rank's p50 time at which each phase ended (host clock from the common barrier; "end" after its GPU work)
-    names = ["posted", "manifest", "queued", "begin", "check", "received", "flag", "vote_queued", "vote", "commit",
-             "end"]
-    nan = float("nan")
-    mine = torch.tensor([_p50([ph.get(k, nan) for ph in phases]) for k in names], dtype=torch.float64, device=device)
-    gathered = [torch.zeros_like(mine) for _ in range(dist.get_world_size())]
-    dist.all_gather(gathered, mine)  # NaN: a phase this rank does not pass (rank 0 has no policy: no "commit")
     version = torch.tensor([policy.weight_version if policy is not None else -1], device=device)
     dist.all_reduce(version, op=dist.ReduceOp.MAX)
     if rank == 0:
@@ -154,11 +136,8 @@ def main() -> None:
                "raw_broadcast_p50_ms": _p50(raw_slowest), "raw_GB_per_s": nbytes / _p50(raw_slowest) / 1e6,
                "broadcast_weights_p50_ms": _p50(slowest), "ratio_to_raw": _p50(slowest) / _p50(raw_slowest),
                "broadcast_weights_p50_ms_per_rank": per_rank,
-               "phase_end_ms_p50_per_rank": [
-                   {k: round(v, 3) for k, v in zip(names, g.tolist()) if v == v} for g in gathered
-               ],
-               "bucket_bytes": bucket, "window_checks": args.window_checks, "high_priority": args.high_priority,
-               "target_ratio": 2.0,
+               "bucket_bytes": bucket, "high_priority": args.high_priority,
+               "target_ratio": 2.5,
                "final_version": int(version.item()),
                "report_tensors": report.num_tensors}
         write_rows("weight_broadcast", [row], args.out)

@@ -240,6 +240,9 @@ def load_weights(
         for name, tensor in staged.items():
             params[name].copy_(tensor.to(params[name].dtype))
             report.loaded.append(name)
+    refresh = getattr(model, "refresh_fused_expert", None)  # a live Pi05Model's fused expert copy
+    if refresh is not None:
+        refresh()
     return report
 
 
@@ -247,7 +250,6 @@ def save_weights(model: torch.nn.Module, path: str | os.PathLike) -> Path:
     """Write the model's parameters to `path`/model.safetensors under LeRobot / openpi names (exact dtypes)."""
     root = Path(path)
     root.mkdir(parents=True, exist_ok=True)
-    # copies: some parameters are views of one buffer (the fused expert weights), which safetensors refuses
     tensors = {to_external_name(n): p.detach().to("cpu", copy=True) for n, p in model.named_parameters()}
     file = root / "model.safetensors"
     tmp = root / "model.safetensors.tmp"

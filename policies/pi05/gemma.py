@@ -61,16 +61,9 @@ class AdaRMSNorm(nn.Module):
         self.dense = nn.Linear(width, 3 * width)
         nn.init.zeros_(self.dense.weight)
 
-    def modulation(
-        self, cond: torch.Tensor, weight: torch.Tensor | None = None, bias: torch.Tensor | None = None
-    ) -> Modulation:
-        """(B, width) condition -> (1 + scale, shift, gate), each (B, 1, width) in float32 (float64 stays).
-
-        `weight` / `bias` replace the Dense parameters (a weight update's staged values).
-        """
-        weight = self.dense.weight if weight is None else weight
-        bias = self.dense.bias if bias is None else bias
-        m = F.linear(upcast(cond), upcast(weight), upcast(bias))
+    def modulation(self, cond: torch.Tensor) -> Modulation:
+        """(B, width) condition -> (1 + scale, shift, gate), each (B, 1, width) in float32 (float64 stays)."""
+        m = F.linear(upcast(cond), upcast(self.dense.weight), upcast(self.dense.bias))
         scale, shift, gate = m[:, None, :].chunk(3, dim=-1)
         return 1.0 + scale, shift, gate
 

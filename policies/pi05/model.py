@@ -13,7 +13,6 @@ camera is exactly a removed camera.
 from __future__ import annotations
 
 import math
-from collections.abc import Mapping
 from dataclasses import dataclass
 
 import torch
@@ -57,10 +56,6 @@ class PrefixCache:
     suffix_offset: int | None = None
     suffix_rope: tuple[torch.Tensor, torch.Tensor] | None = None
     suffix_mask: torch.Tensor | None = None
-
-
-_FUSED_NAMES = (("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj"), ("mlp.gate_proj", "mlp.up_proj"))
-"""The expert modules whose weights make up each layer's fused [q;k;v] and [gate;up] buffers, in row order."""
 
 
 def sinusoidal_time_embedding(
@@ -107,7 +102,6 @@ class Pi05Model(nn.Module):
         if cfg.noise_head:
             self.noise_head = NoiseHead(cfg.expert.width, cfg.noise_hidden, cfg.action_dim, cfg.noise_std_range)
         self.fused_expert: list[tuple[torch.Tensor, torch.Tensor]] | None = None
-        self._fused_rows: tuple[list, list, int] | None = None  # the fused buffers' row views, per weight name
         self.attention_config = attention or AttentionConfig()
         self.plan: AttentionPlan = self.attention_config.resolve(torch.device("cpu"), torch.float32)
 
@@ -160,13 +154,12 @@ class Pi05Model(nn.Module):
     def build_fused_expert(self) -> None:
         """[q;k;v] and [gate;up] weights of every expert layer in one buffer each, for the no-grad rollout path.
 
-        Three GEMMs become one and RoPE runs once for q and k, per layer and denoise step. The buffers are then the
-        weights' storage: each q, k, v, gate and up parameter becomes a row view of its buffer (same values, same
-        parameter objects), so an in-place write to a parameter (a weight commit, a checkpoint load, an optimizer
-        step) is seen by the fused GEMMs, with nothing to refresh and no second copy in memory. A parameter given
-        new storage later (`model.to(...)`, `.data = ...`) no longer aliases its rows; `refresh_fused_expert()`
-        then copies it in. Building again (a second scheduler on the same model) refreshes instead of replacing,
-        since graphs captured by the first scheduler read this storage. Call it before capturing graphs.
+        Three GEMMs become one and RoPE runs once for q and k, per layer and denoise step. The buffers are a copy
+        derived from the weights, like the modulation tables: a weight commit (and `load_weights`) refreshes them
+        with `refresh_fused_expert()`; after any other in-place change of the weights (an optimizer step on a
+        model that also rolls out) call `Pi05Scheduler.refresh_tables()`. Building again (a second scheduler on
+        the same model) refreshes instead of replacing, since graphs captured by the first read this storage.
+        Call it before capturing graphs.
         """
         if self.fused_expert is not None:  # shared by every scheduler of this model: captured graphs hold them
             self.refresh_fused_expert()
@@ -175,9 +168,6 @@ class Pi05Model(nn.Module):
             self.fused_expert = [
                 (layer.self_attn.fused_weight(), layer.mlp.fused_weight()) for layer in self.expert.layers
             ]
-        params = dict(self.expert.named_parameters(prefix="expert"))
-        for name, row in self.fused_rows():
-            params[name].data = row
 
     def _fused_usable(self, x: torch.Tensor) -> bool:
         """The fused buffers serve a no-grad call while they match the live weights' dtype and device.
@@ -191,36 +181,23 @@ class Pi05Model(nn.Module):
         weight = self.expert.layers[0].self_attn.q_proj.weight
         return qkv.dtype == weight.dtype == x.dtype and qkv.device == weight.device
 
-    def fused_rows(self) -> list[tuple[str, torch.Tensor]]:
-        """(parameter name, its rows in the fused buffers) for every fused weight; [] without fused buffers.
+    def refresh_fused_expert(self) -> None:
+        """Copy every q, k, v, gate and up weight into its rows of the fused buffers (one multi-tensor copy).
 
-        Row views are made once per set of fused buffers; after `build_fused_expert` they are the parameters'
-        storage.
+        Storage is kept, so captured graphs stay valid; nothing to do without fused buffers.
         """
         if self.fused_expert is None:
-            return []
-        cached = getattr(self, "_fused_rows", None)
-        if cached is None or cached[0] is not self.fused_expert or cached[2] != self.fused_expert[0][0].data_ptr():
-            rows: list[tuple[str, torch.Tensor]] = []
-            for i, (buffers, layer) in enumerate(zip(self.fused_expert, self.expert.layers)):
-                for buf, names in zip(buffers, _FUSED_NAMES):
-                    weights = [layer.get_submodule(n).weight for n in names]
-                    parts = buf.split([w.shape[0] for w in weights])
-                    rows += [(f"expert.layers.{i}.{n}.weight", part) for n, part in zip(names, parts)]
-            cached = self._fused_rows = (self.fused_expert, rows, self.fused_expert[0][0].data_ptr())
-        return cached[1]
-
-    def refresh_fused_expert(self) -> None:
-        """Copy into the fused buffers every q, k, v, gate and up weight that is not a view of its rows.
-
-        Nothing to do while the parameters alias their rows (see `build_fused_expert`); otherwise one multi-tensor
-        copy (a shape mismatch raises like `copy_`). Captured graphs stay valid.
-        """
-        params = dict(self.expert.named_parameters(prefix="expert"))
-        stale = [(row, params[name]) for name, row in self.fused_rows() if not aliases(params[name], row)]
-        if stale:
-            with torch.no_grad():
-                torch._foreach_copy_([row for row, _ in stale], [param for _, param in stale])
+            return
+        rows: list[torch.Tensor] = []
+        weights: list[torch.Tensor] = []
+        for (qkv, mlp), layer in zip(self.fused_expert, self.expert.layers):
+            attn, ffn = layer.self_attn, layer.mlp  # row order as in `fused_weight()`
+            for buf, parts in ((qkv, [attn.q_proj.weight, attn.k_proj.weight, attn.v_proj.weight]),
+                               (mlp, [ffn.gate_proj.weight, ffn.up_proj.weight])):  # fmt: skip
+                rows += buf.split([w.shape[0] for w in parts])
+                weights += parts
+        with torch.no_grad():
+            torch._foreach_copy_(rows, weights)
 
     # ---------------------------------------------------------------------------------------- prefix
     def embed_images(self, images: torch.Tensor) -> torch.Tensor:
@@ -271,52 +248,36 @@ class Pi05Model(nn.Module):
 
     # ---------------------------------------------------------------------------------------- expert
     def time_condition(
-        self,
-        t: torch.Tensor,
-        values: Mapping[str, torch.Tensor] | None = None,
-        embeddings: dict[torch.dtype, torch.Tensor] | None = None,
+        self, t: torch.Tensor, embeddings: dict[torch.dtype, torch.Tensor] | None = None
     ) -> torch.Tensor:
         """(B,) times -> (B, We) float32 adaRMS condition: swish(out(swish(in(sincos(t))))).
 
-        `values` (parameter name -> tensor) replaces the time MLP's parameters it names (a weight update computes
-        its tables from the staged values before they are committed). `embeddings` memoises sincos(t) per dtype
-        for a fixed `t` (the rollout tables' step times): it depends on no weight.
+        `embeddings` memoises sincos(t) per dtype for a fixed `t` (the rollout tables' step times): it depends on
+        no weight.
         """
-        cfg, values = self.config, values or {}
-        w_in, b_in, w_out, b_out = (
-            values.get(f"{name}.{leaf}", getattr(getattr(self, name), leaf))
-            for name in ("time_mlp_in", "time_mlp_out")
-            for leaf in ("weight", "bias")
-        )
-        dtype = upcast_dtype(w_in.dtype)
+        cfg = self.config
+        dtype = upcast_dtype(self.time_mlp_in.weight.dtype)
         emb = None if embeddings is None else embeddings.get(dtype)
         if emb is None:
             emb = sinusoidal_time_embedding(t, cfg.expert.width, cfg.min_period, cfg.max_period, dtype)
             if embeddings is not None:
                 embeddings[dtype] = emb
-        hidden = F.silu(F.linear(emb, w_in, b_in))
-        return F.silu(F.linear(hidden, w_out, b_out))
+        return F.silu(self.time_mlp_out(F.silu(self.time_mlp_in(emb))))
 
     def modulations(self, cond: torch.Tensor) -> list[Modulation]:
         """(B, We) condition -> one (scale, shift, gate) per adaRMS norm (2 per layer, then the final norm)."""
         return [norm.modulation(cond) for norm in self.expert.adaptive_norms()]
 
-    def modulation_table(
-        self,
-        cond: torch.Tensor,
-        weights: list[torch.Tensor] | None = None,
-        biases: list[torch.Tensor] | None = None,
-    ) -> torch.Tensor:
+    def modulation_table(self, cond: torch.Tensor) -> torch.Tensor:
         """(K, We) conditions -> (n_norms, K, 3We) float32 [1 + scale | shift | gate] of every adaRMS norm.
 
         Every norm's Dense runs in one GEMM (the rollout tables and the trainer compute it the same way);
-        differentiable. `weights` / `biases` replace the Denses' parameters (a weight update's staged values).
+        differentiable.
         """
         norms = self.expert.adaptive_norms()
-        weights = weights or [n.dense.weight for n in norms]
-        biases = biases or [n.dense.bias for n in norms]
+        weights, biases = [n.dense.weight for n in norms], [n.dense.bias for n in norms]
         if len({t.dtype for t in weights + biases}) != 1 or cond.dtype != upcast(weights[0]).dtype:
-            mods = [n.modulation(cond, w, b) for n, w, b in zip(norms, weights, biases)]  # 3 x (K, 1, We) each
+            mods = [n.modulation(cond) for n in norms]  # 3 x (K, 1, We) each
             return torch.stack([torch.cat(m, dim=-1)[:, 0] for m in mods])
         width = weights[0].shape[1]
         m = F.linear(cond, upcast(torch.cat(weights)), upcast(torch.cat(biases)))
@@ -428,11 +389,6 @@ class Pi05Model(nn.Module):
             v = self.velocity(self.expert_step(cache, x, self.modulations(self.time_condition(t))))
             x = x - (1.0 / k_steps) * v
         return x
-
-
-def aliases(a: torch.Tensor, b: torch.Tensor) -> bool:
-    """True when `a` and `b` are the same memory (same start, shape and strides)."""
-    return a.data_ptr() == b.data_ptr() and a.shape == b.shape and a.stride() == b.stride() and a.dtype == b.dtype
 
 
 def randomize_parameters_(module: nn.Module, seed: int, std: float = 0.05) -> nn.Module:

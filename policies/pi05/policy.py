@@ -1,8 +1,9 @@
 """`Pi05Policy`: processor -> scheduler (graphs on CUDA, eager on CPU) -> env-space action chunks.
 
-The policy owns per-env random streams (DESIGN C3), the rollout settings, the weight version, and the
-weight-sync hook (`weight_sync.py`). `act()` is serialised by a lock; on CUDA it returns once the replays
-are queued, and a weight commit is ordered after them on the compute stream (C6).
+The policy owns per-env random streams (DESIGN C3), the rollout settings, and a `WeightSync` (C6,
+`weight_sync.py`, `broadcast.py`) that holds the weight version and the update transaction. `act()` is
+serialised by a lock; on CUDA it returns once the replays are queued, and a weight commit is ordered after
+them on the compute stream (C6).
 """
 
 from __future__ import annotations
@@ -20,6 +21,7 @@ from ..base import PolicyOutput, RolloutConfig
 from ..rng import StreamTable, explicit_counters
 from .attention import AttentionConfig
 from .batch import RolloutBatch, StoredPrefix
+from .broadcast import broadcast_weights
 from .checkpoint import LoadReport, load_config, load_weights, save_weights
 from .config import Pi05Config
 from .evaluate import EvalOutput, evaluate_rollout
@@ -28,10 +30,10 @@ from .model import Pi05Model, randomize_parameters_, torch_dtype
 from .prompt import DEFAULT_BUCKETS
 from .rollout import run_prefix_stage
 from .scheduler import Pi05Scheduler, SchedulerConfig
-from .weight_sync import WeightSyncMixin
+from .weight_sync import WeightSource, WeightSync, WeightUpdateReport
 
 
-class Pi05Policy(WeightSyncMixin):
+class Pi05Policy:
     """PI0.5 policy over canonical observations (DESIGN C1), usable without Gymnasium.
 
     Example:
@@ -74,9 +76,9 @@ class Pi05Policy(WeightSyncMixin):
             )
         self.scheduler = Pi05Scheduler(model, scheduler)
         self.streams = StreamTable(self.device)
-        self.weight_version = 0
         self._lock = threading.RLock()
         self._closed = False
+        self.weight_sync = WeightSync(model, lambda: self.scheduler.refresh_tables(), self._lock)
         self.model.eval()
         self.set_trainable(self.rollout.trainable)
         self.scheduler.setup()
@@ -423,6 +425,42 @@ class Pi05Policy(WeightSyncMixin):
         with self._lock:
             return self.scheduler.add_batch_buckets(list(sizes))
 
+    # ------------------------------------------------------------------------------- weight sync (C6)
+    @property
+    def weight_version(self) -> int:
+        """Version of the served weights: 0 at construction, then what the last committed update set."""
+        return self.weight_sync.version
+
+    def begin_weight_update(self, expected: str | Sequence[str] = "trainable") -> None:
+        """Open an update that must deliver `expected`: "trainable", "all" or a list of names (`WeightSync`)."""
+        self.weight_sync.begin(expected)
+
+    def update_weights(self, named_tensors: WeightSource) -> int:
+        """Validate and stage (name, tensor) pairs or a mapping; returns how many; `act()` keeps serving."""
+        return self.weight_sync.stage(named_tensors)
+
+    def finish_weight_update(self, *, version: int | None = None) -> WeightUpdateReport:
+        """Check (complete, finite, version increasing), then commit in place behind the last replay."""
+        return self.weight_sync.commit(version)
+
+    def abort_weight_update(self) -> None:
+        """Drop the open update; the weights stay bit-identical."""
+        self.weight_sync.abort()
+
+    def sync_weights(self, source: WeightSource, expected: str | Sequence[str] = "trainable") -> WeightUpdateReport:
+        """One-call update from a module, a state dict or pairs; parameters outside `expected` are skipped."""
+        return self.weight_sync.sync(source, expected)
+
+    def broadcast_weights(self, source: WeightSource | None = None, **options: Any) -> WeightUpdateReport:
+        """`broadcast.broadcast_weights` into this policy: every rank of the group commits, or every rank aborts.
+
+        `options`: src, group, expected, bucket_bytes, version, device, as there.
+        """
+        return broadcast_weights(self.weight_sync, source, **options)
+
+    def _weights_in_use(self) -> Any:
+        return self.weight_sync.reading()
+
     # --------------------------------------------------------------------------------------- lifecycle
     def _check_open(self) -> None:
         if self._closed:
@@ -431,6 +469,6 @@ class Pi05Policy(WeightSyncMixin):
     def close(self) -> None:
         """Release graphs and buffers; further calls raise. A weight update in flight is aborted."""
         with self._lock:
-            self._abort_weight_update_for_close()  # weight sync (C6): same lock, so no race with finish
+            self.weight_sync.close()  # weight sync (C6): same lock, so no race with finish
             self._closed = True
             self.scheduler = None  # type: ignore[assignment]

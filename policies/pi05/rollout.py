@@ -8,7 +8,6 @@ in place after a weight update so captured graphs stay valid.
 
 from __future__ import annotations
 
-from collections.abc import Mapping
 from dataclasses import dataclass
 
 import torch
@@ -56,23 +55,17 @@ class RolloutTables:
         self.tables: dict[int, KTables] = {}
         self.embeddings: dict[int, dict[torch.dtype, torch.Tensor]] = {}  # per K: the step times' sincos, per dtype
         dtype = model.compute_dtype
-        names = {id(m): name for name, m in model.named_modules()}
-        self.norm_names = [names[id(n)] for n in model.expert.adaptive_norms()]  # "expert.layers.0.input_layernorm"
         for k in num_steps:
             steps = StepTables.build(k, device)
             modulation = self._modulation(steps)
             self.tables[k] = KTables(steps, modulation, modulation.to(dtype))
 
-    def _modulation(self, steps: StepTables, values: Mapping[str, torch.Tensor] | None = None) -> torch.Tensor:
-        """(n_norms, K, 3We) [1 + scale | shift | gate] from the weights, or from `values` where it names them."""
+    def _modulation(self, steps: StepTables) -> torch.Tensor:
+        """(n_norms, K, 3We) [1 + scale | shift | gate] from the current weights."""
         with torch.no_grad():
             embeddings = self.embeddings.setdefault(len(steps.deltas), {})
-            cond = self.model.time_condition(steps.times[:-1], values, embeddings)  # (K, We)
-            norms = self.model.expert.adaptive_norms()
-            values = values or {}
-            weights = [values.get(f"{name}.dense.weight", n.dense.weight) for name, n in zip(self.norm_names, norms)]
-            biases = [values.get(f"{name}.dense.bias", n.dense.bias) for name, n in zip(self.norm_names, norms)]
-            return self.model.modulation_table(cond, weights, biases)
+            cond = self.model.time_condition(steps.times[:-1], embeddings)  # (K, We)
+            return self.model.modulation_table(cond)
 
     def __getitem__(self, k: int) -> KTables:
         return self.tables[k]
@@ -80,20 +73,10 @@ class RolloutTables:
     def __contains__(self, k: int) -> bool:
         return k in self.tables
 
-    def prepare(self, values: Mapping[str, torch.Tensor]) -> dict[int, torch.Tensor]:
-        """The modulation table of every K from `values` (parameter name -> tensor; the weights elsewhere).
-
-        New tensors, which `refresh(prepared)` copies in at the commit.
-        """
-        return {k: self._modulation(table.steps, values) for k, table in self.tables.items()}
-
-    def refresh(self, prepared: Mapping[int, torch.Tensor] | None = None) -> None:
-        """Recompute every table in place from the current weights, or copy in `prepare`'s tables.
-
-        Storage is kept, so captured graphs stay valid.
-        """
-        for k, table in self.tables.items():
-            table.modulation.copy_(self._modulation(table.steps) if prepared is None else prepared[k])
+    def refresh(self) -> None:
+        """Recompute every table in place from the current weights (storage kept: captured graphs stay valid)."""
+        for table in self.tables.values():
+            table.modulation.copy_(self._modulation(table.steps))
             table.step_table.copy_(table.modulation)
 
 

@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import bisect
 import time
-from collections.abc import Mapping, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 import torch
@@ -460,14 +460,12 @@ class Pi05Scheduler:
             out.append(self.buffers.prefix_value[: chunk.batch_size].clone())
         return torch.cat(out)
 
-    def refresh_tables(self, fused: bool = True, prepared: Mapping[int, torch.Tensor] | None = None) -> None:
-        """Recompute weight-derived tables and fused weight copies in place (after a weight commit).
+    def refresh_tables(self) -> None:
+        """Recompute the weight-derived tables and the fused expert weights in place (after a weight change).
 
-        ``fused=False`` leaves the fused copies alone (the commit wrote them); `prepared` are the tables
-        `RolloutTables.prepare` computed from the committed values. Storage is kept, so captured graphs stay valid
-        and nothing is recaptured.
+        A weight commit calls it; call it after changing weights in place any other way. Storage is kept, so
+        captured graphs stay valid and nothing is recaptured.
         """
         if self.tables is not None:
-            self.tables.refresh(prepared)
-        if fused:
-            self.model.refresh_fused_expert()
+            self.tables.refresh()
+        self.model.refresh_fused_expert()

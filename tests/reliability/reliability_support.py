@@ -79,7 +79,7 @@ class Probe:
         seeds, counters = self.policy.streams.state()
         assert torch.equal(seeds, self.streams[0]) and torch.equal(counters, self.streams[1]), "streams changed"
         assert self.policy.weight_version == self.version, "weight version changed"
-        assert not getattr(self.policy, "weight_update_in_progress", False), "a weight update was left open"
+        assert not getattr(getattr(self.policy, "weight_sync", None), "in_progress", False), "an update was left open"
         assert_same_tensors(outputs_of(self._act()), self.reference)
         seeds, counters = self.policy.streams.state()
         assert torch.equal(seeds, self.streams[0]) and torch.equal(counters, self.streams[1])

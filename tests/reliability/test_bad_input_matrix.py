@@ -417,11 +417,9 @@ def _missing(c: Any) -> Any:
 def _broadcast_without_source(c: Any) -> Any:
     import torch.distributed as dist
 
-    from policies.pi05.distributed_sync import broadcast_weights
-
     dist.init_process_group("gloo", init_method=f"file://{c.tmp}/rendezvous", rank=0, world_size=1)
     try:
-        return broadcast_weights(c.policy, None, expected=[NAME])
+        return c.policy.broadcast_weights(None, expected=[NAME])
     finally:
         dist.destroy_process_group()
 

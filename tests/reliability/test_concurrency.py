@@ -112,4 +112,4 @@ def test_act_while_weights_sync_in_another_thread(tokenizer_dir: Path) -> None:
         thread.join(60)
     assert not thread.is_alive() and not errors, errors
     assert versions == sorted(versions) and len(set(versions)) == len(versions)
-    assert not policy.weight_update_in_progress
+    assert not policy.weight_sync.in_progress

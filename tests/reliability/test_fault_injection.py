@@ -75,7 +75,7 @@ def test_weight_sync_source_raising_midway_leaves_weights_unchanged(policy: Pi05
     with pytest.raises(WeightSyncError, match="source raised ConnectionError: trainer went away") as info:
         policy.sync_weights(source())
     assert "weights are unchanged" in str(info.value)
-    assert not policy.weight_update_in_progress
+    assert not policy.weight_sync.in_progress
     _assert_params_equal(policy, before)
     probe.check()
     # the policy still takes a good update afterwards (and it changes the outputs)

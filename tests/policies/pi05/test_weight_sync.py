@@ -18,10 +18,11 @@ from helpers import StandInProcessor
 from policies.pi05.checkpoint import DEAD_KEYS, TIED_EMBEDDING, to_external_name
 from policies.pi05.config import Pi05Config
 from policies.pi05.inputs import ModelInputs
-from policies.pi05.model import Pi05Model, aliases, randomize_parameters_
+from policies.pi05.model import Pi05Model, randomize_parameters_
 from policies.pi05.policy import Pi05Policy, RolloutConfig
+from policies.pi05.rollout import RolloutTables
 from policies.pi05.scheduler import SchedulerConfig
-from policies.pi05.weight_sync import WeightSyncError, WeightSyncStateError
+from policies.pi05.weight_sync import WeightSyncError, WeightSyncStateError, WeightUpdateReport
 
 SEEDS = [0, 1]
 
@@ -118,7 +119,7 @@ def test_stale_tables_would_be_caught(inputs: ModelInputs, monkeypatch: pytest.M
             p.mul_(1.5)
     report = reference.sync_weights(trainer)  # trainable set, refresh on
     assert report.skipped and all(not n.startswith(("expert.", "time_mlp")) for n in report.skipped)
-    monkeypatch.setattr(policy.scheduler, "refresh_tables", lambda fused=True, prepared=None: None)
+    monkeypatch.setattr(policy.scheduler, "refresh_tables", lambda: None)
     policy.sync_weights(trainer)
     fresh_model = make_model(seed=0)
     fresh_model.load_state_dict(trainer.state_dict())
@@ -151,7 +152,7 @@ def test_versions_increase_and_reach_the_header(shared, inputs: ModelInputs) -> 
         policy.begin_weight_update()
         policy.update_weights(policy.trainable_parameters())
         policy.finish_weight_update(version=3)
-    assert policy.weight_version == 3 and not policy.weight_update_in_progress
+    assert policy.weight_version == 3 and not policy.weight_sync.in_progress
     policy.begin_weight_update()
     policy.update_weights(policy.trainable_parameters())
     assert policy.finish_weight_update(version=10).version == 10
@@ -251,7 +252,7 @@ def test_failure_leaves_weights_bit_identical(case: str, shared, inputs: ModelIn
     fn, message = FAILURES[case]
     with pytest.raises(WeightSyncError, match=message):
         fn(policy, new_model)
-    assert not policy.weight_update_in_progress, "a failure must end the update"
+    assert not policy.weight_sync.in_progress, "a failure must end the update"
     assert policy.weight_version == version
     assert_unchanged(policy, before)
     if case in ("nan", "duplicate_across_calls"):  # still serving the same weights, same outputs
@@ -290,7 +291,7 @@ def test_lifecycle_errors(shared, new_model: Pi05Model) -> None:
     policy.begin_weight_update()
     with pytest.raises(WeightSyncStateError, match="already in progress"):
         policy.begin_weight_update("all")
-    assert policy.weight_update_in_progress  # begin twice does not end the first update
+    assert policy.weight_sync.in_progress  # begin twice does not end the first update
     policy.abort_weight_update()
     with pytest.raises(WeightSyncStateError, match="aborted by abort_weight_update"):
         policy.finish_weight_update()
@@ -302,47 +303,41 @@ def test_lifecycle_errors(shared, new_model: Pi05Model) -> None:
     assert_unchanged(policy, before)
 
 
-def test_device_flag_commit_and_its_guards(shared, new_model: Pi05Model) -> None:
-    """`weight_update_ok` (the distributed vote's flag): False on Inf, completeness checked at once, and
-    ``finish_weight_update(checked=True)`` refused without a flag."""
+def test_device_flag_and_checked_commit(shared, new_model: Pi05Model, inputs: ModelInputs) -> None:
+    """`WeightSync.check` (the broadcast's vote flag): completeness checked at once, False on Inf, and a commit
+    after a True flag equals a plain finish, tables included."""
     policy, _ = shared
     before = snapshot(policy)
+    sync = policy.weight_sync
     params = dict(new_model.named_parameters())
     trainable = [n for n, _ in policy.trainable_parameters()]
     policy.begin_weight_update()
-    with pytest.raises(WeightSyncStateError, match=r"checked=True needs the flag of weight_update_ok\(\)"):
-        policy.finish_weight_update(checked=True)
     policy.update_weights({n: params[n] for n in trainable[1:]})
-    with pytest.raises(WeightSyncError, match=r"weight_update_ok: 1 of the .* expected parameters .* not sent"):
-        policy.weight_update_ok()
-    assert not policy.weight_update_in_progress  # the failed check ended the update
+    with pytest.raises(WeightSyncError, match=r"check: 1 of the .* expected parameters .* not sent"):
+        sync.check()
+    assert not sync.in_progress  # the failed check ended the update
     bad = params[trainable[0]].clone()
     bad.view(-1)[0] = float("inf")
     policy.begin_weight_update()
     policy.update_weights({**{n: params[n] for n in trainable[1:]}, trainable[0]: bad})
-    flag = policy.weight_update_ok()
+    flag = sync.check()
     assert flag.shape == () and flag.dtype == torch.bool and not bool(flag)
     with pytest.raises(WeightSyncError, match=rf"non-finite values .*{trainable[0]}"):
-        policy.validate_weight_update()
+        policy.finish_weight_update()
     assert_unchanged(policy, before)
 
-
-def test_device_flag_commit_equals_plain_finish(new_model: Pi05Model, inputs: ModelInputs) -> None:
-    params = dict(new_model.named_parameters())
     outputs, tables = [], []
     for checked in (False, True):
-        policy = make_policy(make_model(seed=0))
-        trainable = [n for n, _ in policy.trainable_parameters()]
-        policy.begin_weight_update()
-        policy.update_weights({n: params[n] for n in trainable})
+        fresh = make_policy(make_model(seed=0))
+        fresh.begin_weight_update()
+        fresh.update_weights({n: params[n] for n in trainable})
         if checked:
-            assert bool(policy.weight_update_ok())
-        report = policy.finish_weight_update(checked=checked)
+            assert bool(fresh.weight_sync.check())
+        report = fresh.weight_sync.commit(checked=checked)
         assert report.version == 1 and report.num_tensors == len(trainable)
-        outputs.append(act(policy, inputs))
-        tables.append(policy.scheduler.tables[5].modulation.clone())
+        outputs.append(act(fresh, inputs))
+        tables.append(fresh.scheduler.tables[5].modulation.clone())
     assert_same_outputs(*outputs)
-    # the flag path computed the tables from the staged values before the commit: identical to computing them after
     assert torch.equal(tables[0], tables[1])
     assert not torch.equal(tables[0], make_policy(make_model(seed=0)).scheduler.tables[5].modulation)
 
@@ -353,7 +348,7 @@ def test_close_aborts_an_update(new_model: Pi05Model, inputs: ModelInputs) -> No
     policy.begin_weight_update("all")
     policy.update_weights(list(new_model.named_parameters())[:10])
     policy.close()
-    assert not policy.weight_update_in_progress
+    assert not policy.weight_sync.in_progress
     with pytest.raises(WeightSyncStateError, match="closed"):
         policy.update_weights(list(new_model.named_parameters())[10:])
     with pytest.raises(WeightSyncStateError, match="closed"):
@@ -451,14 +446,12 @@ def test_trainable_set_is_exact() -> None:
     assert listed.names == ["action_in_proj.bias", "action_out_proj.bias"] and listed.expected == "list"
 
 
-def test_cached_plan_follows_parameter_changes() -> None:
-    """The per-expected-set plan is reused across updates and rebuilt when a parameter is replaced or recast."""
+def test_updates_follow_parameter_changes() -> None:
+    """An update writes the parameters the model holds now: replaced, recast, swapped or added ones."""
     policy = make_policy(make_model(seed=0))
     model = policy.model
     source = make_model(seed=7)
     policy.sync_weights(source, expected="all")
-    policy.sync_weights(source, expected="all")
-    assert len(policy._sync_plans) == 1  # reused
     old = model.action_out_proj.bias
     model.action_out_proj.bias = torch.nn.Parameter(torch.zeros_like(old))  # rebound: a new object
     fresh = make_model(seed=9)
@@ -470,7 +463,6 @@ def test_cached_plan_follows_parameter_changes() -> None:
     assert model.action_in_proj.bias.dtype == torch.float64
     assert torch.equal(model.action_in_proj.bias, make_model(seed=11).action_in_proj.bias.double())
     # a submodule replaced deep in the tree, and a parameter swapped in a module's dict without setattr
-    # (o_proj: not a view of a fused buffer, whose rows the commit writes whatever module holds them)
     path, linear = next((n, m) for n, m in model.named_modules() if n.startswith("expert.") and n.endswith("o_proj"))
     parent_path, _, child = path.rpartition(".")
     replacement = copy.deepcopy(linear)
@@ -488,49 +480,59 @@ def test_cached_plan_follows_parameter_changes() -> None:
         policy.sync_weights(fresh, expected="all")
 
 
-def test_fused_weights_are_the_parameters_storage() -> None:
-    """The scheduler's fused [q;k;v] / [gate;up] buffers are the weights' storage: a commit writes each fused
-    weight once; a parameter given new storage is copied into its rows by the next commit (the plan is rebuilt)."""
+def fused_matches(model: Pi05Model) -> bool:
+    layers = model.expert.layers
+    return all(
+        torch.equal(qkv, layer.self_attn.fused_weight()) and torch.equal(mlp, layer.mlp.fused_weight())
+        for (qkv, mlp), layer in zip(model.fused_expert, layers)
+    )
+
+
+def test_fused_buffers_are_a_copy_refreshed_at_commit_and_load(tmp_path) -> None:
+    """The fused [q;k;v] / [gate;up] buffers are a derived copy (no parameter shares their storage): a commit,
+    a checkpoint load into the live model and `refresh_tables()` refresh them in place."""
+    from policies.pi05.checkpoint import load_weights, save_weights
+
     policy = make_policy(make_model(seed=0))
     model = policy.model
-    params = dict(model.named_parameters())
-    rows = model.fused_rows()
-    assert rows and all(aliases(params[name], row) for name, row in rows)
-    plan_copies = lambda: sum(len(d) for d, _ in policy._sync_plans[tuple(params)].commit_groups(rows)[0])  # noqa: E731
-    fresh = make_model(seed=7)
-    policy.sync_weights(fresh, expected="all")
-    assert plan_copies() == len(params)  # no second copy of a fused weight
-    assert all(torch.equal(row, dict(fresh.named_parameters())[name]) for name, row in rows)
+    buffers = [t.data_ptr() for pair in model.fused_expert for t in pair]
+    storages = {p.untyped_storage().data_ptr() for p in model.parameters()}
+    assert not storages & {t.untyped_storage().data_ptr() for pair in model.fused_expert for t in pair}
+    policy.sync_weights(make_model(seed=7), expected="all")
+    assert fused_matches(model)
     q = model.expert.layers[0].self_attn.q_proj.weight
-    q.data = q.data.clone()  # new storage: the fused rows are now a copy to keep up to date
-    fresh = make_model(seed=9)
-    policy.sync_weights(fresh, expected="all")
-    assert plan_copies() == len(params) + 1
-    assert all(torch.equal(row, dict(fresh.named_parameters())[name]) for name, row in rows)
-    assert not aliases(q, rows[0][1]) and rows[0][0] == "expert.layers.0.self_attn.q_proj.weight"
+    q.data = q.data.clone()  # new storage: still copied in by the next commit
+    policy.sync_weights(make_model(seed=9), expected="all")
+    assert fused_matches(model)
+    save_weights(make_model(seed=11), tmp_path)
+    load_weights(model, tmp_path)
+    assert fused_matches(model)
+    with torch.no_grad():
+        model.expert.layers[1].mlp.up_proj.weight.mul_(2.0)  # an optimizer step on a model that also rolls out
+    assert not fused_matches(model)
+    policy.scheduler.refresh_tables()
+    assert fused_matches(model)
+    assert [t.data_ptr() for pair in model.fused_expert for t in pair] == buffers  # storage kept: graphs valid
 
 
-def test_manifest_check_is_reused_only_while_it_holds() -> None:
-    """A passed manifest check is reused by the next update with the same plan and parameter table; a changed
-    table (a parameter removed) checks again and refuses what no longer exists."""
-    policy = make_policy(make_model(seed=0))
-    trainable = dict(policy.trainable_parameters())
-    frozen = next(n for n, p in policy.model.named_parameters() if n not in trainable)
-    manifest = [(n, tuple(p.shape), p.dtype) for n, p in trainable.items()] + [
-        (frozen, tuple(policy.model.get_parameter(frozen).shape), torch.float32)
-    ]
-    results = []
-    for _ in range(2):
-        policy.begin_weight_update("trainable")
-        results.append(policy.check_weight_manifest(manifest))
-        policy.abort_weight_update()
-    assert results[0] == results[1] == [True] * len(trainable) + [False]
-    module_path, _, leaf = frozen.rpartition(".")
-    del policy.model.get_submodule(module_path)._parameters[leaf]
-    policy.begin_weight_update("trainable")
-    with pytest.raises(WeightSyncError, match=f"{frozen!r} names no parameter of this model"):
-        policy.check_weight_manifest(manifest)
-    assert not policy.weight_update_in_progress
+def test_bf16_sync_refreshes_the_step_tables() -> None:
+    """In bf16 the denoise loop reads a bf16 copy of the fp32 modulation table (in fp32 it is the same tensor):
+    a sync must refresh both."""
+    policy = make_policy(make_model(seed=0, dtype=torch.bfloat16))
+    table = policy.scheduler.tables[5]
+    assert table.step_table.dtype == torch.bfloat16 and table.step_table is not table.modulation
+    policy.sync_weights(make_model(seed=7, dtype=torch.bfloat16))
+    fresh = RolloutTables(policy.model, (5,))[5]
+    assert torch.equal(table.modulation, fresh.modulation) and torch.equal(table.step_table, fresh.step_table)
+
+
+def test_report_repr_is_one_line_of_counts() -> None:
+    report = make_policy(make_model(seed=0)).sync_weights(make_model(seed=7), expected="all")
+    text = repr(report)
+    assert "\n" not in text and "expert." not in text and len(text) < 160
+    assert text.startswith("WeightUpdateReport(version=1, expected='all', tensors=103, bytes=")
+    assert len(report.names) == 103  # the names on demand
+    assert isinstance(report, WeightUpdateReport)
 
 
 def test_batched_tables_match_per_norm_modulation() -> None:
@@ -575,6 +577,13 @@ def test_dtensor_sources_and_wrapped_modules() -> None:
 
 
 # ----------------------------------------------------------------------------------------------- CUDA
+def busy_gpu(seconds: float = 0.1) -> None:
+    """Queue about `seconds` of matmuls on the current stream (no host wait)."""
+    a = torch.randn(4096, 4096, device="cuda")
+    for _ in range(max(1, int(seconds / 2e-3))):  # fp32 4096^3: ~2 ms or more each on an H200
+        a = torch.tanh(a @ a)
+
+
 @pytest.mark.cuda
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 @pytest.mark.parametrize("host_source", [True, False])
@@ -591,7 +600,7 @@ def test_cuda_commit_is_stream_ordered_without_sync(host_source: bool) -> None:
     state = {n: (p.detach().pin_memory() if host_source else p.detach()) for n, p in source.named_parameters()}
     captures = policy.scheduler.stats.captures
     torch.cuda.synchronize()
-    torch.cuda._sleep(200_000_000)  # ~0.1 s of GPU time ahead of the replay
+    busy_gpu()  # ~0.1 s of GPU work ahead of the replay
     queued = policy.act_inputs(x, seeds=seeds)
     report = policy.sync_weights(state, expected="all")
     after = policy.act_inputs(x, seeds=seeds)
@@ -600,10 +609,10 @@ def test_cuda_commit_is_stream_ordered_without_sync(host_source: bool) -> None:
     assert_same_outputs(queued, old_ref)
     assert_same_outputs(after, new_ref)
     assert policy.scheduler.stats.captures == captures  # nothing recaptured
-    # the staging buffers are kept between updates: a second update right behind the first must not overwrite
-    # them before the first commit (queued behind the sleep) has read them
+    # back-to-back updates behind busy GPU work: the second stages (possibly into memory the allocator recycles
+    # from the first's buffers) before the first commit has run, and each replay sees the weights committed before it
     back = {n: p.detach() for n, p in make_model(seed=0, device="cuda").named_parameters()}
-    torch.cuda._sleep(200_000_000)
+    busy_gpu()
     policy.sync_weights(state, expected="all")  # the same weights again (version 2): its commit waits
     middle = policy.act_inputs(x, seeds=seeds)
     policy.sync_weights(back, expected="all")  # stages seed-0 weights into the same buffers at once
@@ -613,28 +622,25 @@ def test_cuda_commit_is_stream_ordered_without_sync(host_source: bool) -> None:
     assert_same_outputs(last, old_ref)
 
 
-def test_staging_buffers_are_kept_and_released(new_model: Pi05Model) -> None:
-    policy = make_policy(make_model(seed=0))
-    params = dict(new_model.named_parameters())
-    trainable = [n for n, _ in policy.trainable_parameters()]
-
-    def arena_ptrs() -> list[int]:
-        return [arena.data_ptr() for _, arena, _ in policy.staging_layout()]
-
-    policy.begin_weight_update()
-    first = arena_ptrs()
-    policy.update_weights({n: params[n] for n in trainable})
-    with pytest.raises(WeightSyncStateError, match="release_weight_staging: an update is in progress"):
-        policy.release_weight_staging()
-    policy.finish_weight_update()
-    policy.begin_weight_update()
-    assert arena_ptrs() == first  # reused
-    policy.abort_weight_update()
-    policy.begin_weight_update("all")  # another set: the trainable set's buffers are dropped
-    policy.abort_weight_update()
-    plans = policy._sync_plans
-    assert sum(plan._staging is not None for plan in plans.values()) == 1
-    policy.release_weight_staging()
-    assert all(plan._staging is None for plan in plans.values())
-    policy.sync_weights({n: params[n] for n in trainable})  # allocates again and commits
-    assert all(torch.equal(p, params[n]) for n, p in policy.model.named_parameters() if n in trainable)
+@pytest.mark.cuda
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_cuda_bf16_sync_refreshes_the_modulation_tables(monkeypatch: pytest.MonkeyPatch) -> None:
+    """bf16 graphs read the bf16 step table, a copy of the fp32 modulation table: after a sync of new expert-side
+    weights the graph path must equal a fresh bf16 policy on those weights, and must not without the refresh."""
+    x = make_inputs(2, "cuda")
+    trainer = make_model(seed=0, device="cuda", dtype=torch.bfloat16)
+    with torch.no_grad():
+        for p in [*trainer.time_mlp_in.parameters(), *trainer.expert.layers[0].input_layernorm.parameters()]:
+            p.mul_(1.5)
+    fresh_model = make_model(seed=0, device="cuda", dtype=torch.bfloat16)
+    fresh_model.load_state_dict(trainer.state_dict())
+    fresh = make_policy(fresh_model)
+    policy = make_policy(make_model(seed=0, device="cuda", dtype=torch.bfloat16))
+    assert policy.scheduler.use_graphs and policy.scheduler.tables[5].step_table.dtype == torch.bfloat16
+    policy.sync_weights(trainer)
+    assert torch.equal(policy.scheduler.tables[5].step_table, fresh.scheduler.tables[5].step_table)
+    assert_same_outputs(act(policy, x), act(fresh, x))
+    stale = make_policy(make_model(seed=0, device="cuda", dtype=torch.bfloat16))
+    monkeypatch.setattr(stale.scheduler, "refresh_tables", lambda: None)
+    stale.sync_weights(trainer)
+    assert not torch.equal(act(stale, x).actions, act(fresh, x).actions)

@@ -168,6 +168,8 @@ def episode_limit(env: Any) -> int | None:
     if limit is None:
         limit = getattr(first("spec"), "max_episode_steps", None)
     if limit is None:
+        limit = first("_max_episode_steps")  # a time-limit wrapper outside the registry (ManiSkill's)
+    if limit is None:
         limit = first("episode_length")
     return None if limit is None else int(limit)
 

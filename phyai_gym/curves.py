@@ -152,10 +152,12 @@ def plot_curves(rows: Sequence[Mapping[str, Any]], path: str | Path, title: str 
     fig, axes = plt.subplots(2, 3, figsize=(13, 6.5))
     for ax, (key, label) in zip(axes.flat, PANELS):
         ax.set_title(label, fontsize=10)
-        if rows and key in rows[0]:
-            ax.plot(x, _column(rows, key), marker="." if len(rows) < 50 else None)
-        else:
-            ax.text(0.5, 0.5, "not logged", ha="center", va="center", transform=ax.transAxes, color="grey")
+        values = _column(rows, key) if rows and key in rows[0] else []
+        if any(math.isfinite(v) for v in values):
+            ax.plot(x, values, marker="." if len(rows) < 50 else None)
+        else:  # e.g. no episode finished yet
+            note = "not logged" if not values else "no value yet (all nan)"
+            ax.text(0.5, 0.5, note, ha="center", va="center", transform=ax.transAxes, color="grey")
         ax.set_xlabel(x_key.replace("_", " "), fontsize=8)
         ax.grid(alpha=0.3)
     ax = axes.flat[5]

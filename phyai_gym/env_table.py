@@ -32,7 +32,7 @@ ENVS: tuple[str, ...] = (
 START, END = "<!-- env-table:start (python -m phyai_gym.env_table --write) -->", "<!-- env-table:end -->"
 """The README markers around the generated table."""
 HEADER = (
-    "| name | simulator | cameras (H x W) | state | action | episode limit |\n"
+    "| name | simulator | cameras (H x W) | state dims | action dims | episode limit (env steps) |\n"
     "|---|---|---|---|---|---|"
 )
 README = Path(__file__).resolve().parents[1] / "README.md"
@@ -53,7 +53,7 @@ def env_row(name: str) -> str:
 
     Example:
         >>> env_row("target")
-        '| `target` | none (test env) | image 32x32 | 1 | 1 | 1 |'
+        '| `target` | none (test env) | image 32x32 | 2 | 1 | 1 |'
     """
     from phyai_gym.make import make_env, resolve_env
     from phyai_gym.run import episode_limit

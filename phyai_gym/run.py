@@ -174,6 +174,8 @@ def episode_limit(env: Any) -> int | None:
     return None if limit is None else int(limit)
 
 
+MAX_CHUNKS_UNTIL_DONE = 200
+"""Cap of a ``chunks=None`` run on an env without an episode limit."""
 COLUMNS = (
     "columns: means over the N envs of one policy call -- reward summed over its C env steps; log-prob of the "
     "sampled chunk (a log-density summed over C x A action dims, so it can be positive); value = the critic's "
@@ -216,7 +218,8 @@ def run(cfg: RunConfig) -> RunSummary:
         env.close()
         raise
     limit = episode_limit(env)
-    chunks = cfg.chunks if cfg.chunks is not None else math.ceil((limit or 3 * chunk) / chunk)
+    # chunks=None: to the episode limit (every env then has ended an episode), or until every env ended one
+    planned = cfg.chunks if cfg.chunks is not None else (math.ceil(limit / chunk) if limit else None)
     say(f"policy: {description}")
     obs, _ = wrapper.reset(seed=cfg.seed)
     say(
@@ -225,8 +228,9 @@ def run(cfg: RunConfig) -> RunSummary:
     )
     rows, returns, ended_returns, successes = [], np.zeros(wrapper.num_envs), [], []
     start = time.perf_counter()
-    bar = tqdm(range(chunks), desc="chunks", unit="chunk", file=sys.stderr, disable=cfg.quiet)
-    for index in bar:
+    bar = tqdm(total=planned, desc="chunks", unit="chunk", file=sys.stderr, disable=cfg.quiet)
+    ended_once, index = np.zeros(wrapper.num_envs, bool), 0
+    while index < (planned or MAX_CHUNKS_UNTIL_DONE) and (planned is not None or not ended_once.all()):
         obs, rewards, terminated, truncated, info = wrapper.step()
         rewards = np.asarray(rewards.cpu() if isinstance(rewards, torch.Tensor) else rewards, dtype=np.float64)
         ended = np.asarray(info.get("_episode", np.zeros(wrapper.num_envs, bool)), dtype=bool)
@@ -236,6 +240,11 @@ def run(cfg: RunConfig) -> RunSummary:
             ended_returns += np.asarray(info["episode"]["r"])[ended].tolist()
             if "success" in info:
                 successes += np.asarray(info["episode"]["success_once"])[ended].tolist()
+        ended_once |= ended
+        index += 1
+        bar.update(1)
+    bar.close()
+    chunks = index
     elapsed = time.perf_counter() - start
     wrapper.close()
     env_steps = chunks * chunk * wrapper.num_envs

@@ -39,7 +39,9 @@ def test_run_true_default():  # its wall time is measured by benchmarks/bench_cl
         [sys.executable, "-m", "phyai_gym.cli", "run"], cwd=ROOT, capture_output=True, text=True, timeout=1800
     )
     assert proc.returncode == 0, proc.stderr[-2000:]
-    assert "env=Pusher-v5 num_envs=4" in proc.stdout and "summary: 3 chunks" in proc.stdout
+    assert "env=Pusher-v5 num_envs=4" in proc.stdout and "episode_limit=100" in proc.stdout
+    assert "summary: 20 chunks, 400 env steps" in proc.stdout and "finished episodes 4," in proc.stdout
+    assert "columns: means over the N envs" in proc.stdout and proc.stdout.rstrip().splitlines()[-1].startswith("next:")
     assert "chunks" in proc.stderr  # the tqdm bar
 
 

@@ -245,10 +245,10 @@ def evaluate_success(
             this; needs imageio and a `wrappers.FrameRecorder` under the policy env:
             ``PolicyVectorEnv(FrameRecorder(make_env(...)), policy, ...)``.
         on_episode: called with every new row.
-        progress: a factory of a progress bar (optional), called once as ``progress(total, initial)`` with the
-            episodes this call covers and how many of them are already done (a resume); it returns a tqdm-like
-            bar (``update``, ``write``, ``close``, e.g. ``functools.partial(tqdm, desc="episodes")`` taking
-            ``total``/``initial`` as keywords), closed when the call ends; a resume prints its line first.
+        progress: a progress-bar factory (optional), called once as ``progress(total=..., initial=...)`` with
+            the episodes this call covers and how many of them are already done (a resume first prints
+            ``resuming: N of M episodes done``); it returns a tqdm-like bar (``update``, ``close``), e.g.
+            ``functools.partial(tqdm, desc="episodes")``, which is closed when the call ends or raises.
 
     Example:
         >>> from phyai_gym.make import make_env

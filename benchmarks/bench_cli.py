@@ -68,22 +68,36 @@ def _env() -> dict:
     return {**os.environ, "PYTHONPATH": f"{ROOT}{os.pathsep}{os.environ.get('PYTHONPATH', '')}"}
 
 
-def wall(argv: list[str], repeats: int) -> list[float]:
+def python_start() -> None:
+    subprocess.run([sys.executable, "-c", "pass"], cwd=ROOT, env=_env(), check=True, capture_output=True)
+
+
+def phyai_gym_help() -> None:
+    subprocess.run([sys.executable, "-m", "phyai_gym.cli", "--help"], cwd=ROOT, env=_env(), check=True,
+                   capture_output=True)  # fmt: skip
+
+
+def phyai_gym_run() -> None:
+    subprocess.run([sys.executable, "-m", "phyai_gym.cli", "run"], cwd=ROOT, env=_env(), check=True,
+                   capture_output=True, timeout=3600)  # fmt: skip
+
+
+def wall(command, repeats: int) -> list[float]:
     times = []
     for _ in range(repeats):
         start = time.perf_counter()
-        subprocess.run(argv, cwd=ROOT, env=_env(), check=True, capture_output=True, timeout=3600)
+        command()
         times.append(time.perf_counter() - start)
     return times
 
 
 def bench_help(repeats: int) -> dict:
-    floor = wall([sys.executable, "-c", "pass"], repeats)
-    help_ = wall([sys.executable, "-m", "phyai_gym.cli", "--help"], repeats)
-    probe = "import sys, phyai_gym.cli; print(int('torch' in sys.modules))"
+    floor = wall(python_start, repeats)
+    help_ = wall(phyai_gym_help, repeats)
     imports_torch = subprocess.run(
-        [sys.executable, "-c", probe], cwd=ROOT, env=_env(), capture_output=True, text=True, check=True
-    ).stdout.strip()
+        [sys.executable, "-c", "import sys, phyai_gym.cli; print(int('torch' in sys.modules))"],
+        cwd=ROOT, env=_env(), capture_output=True, text=True, check=True,
+    ).stdout.strip()  # fmt: skip
     return {
         "config": {"command": "python -m phyai_gym.cli --help", "repeats": repeats},
         "results": {
@@ -97,7 +111,7 @@ def bench_help(repeats: int) -> dict:
 
 
 def bench_run() -> dict:
-    seconds = wall([sys.executable, "-m", "phyai_gym.cli", "run"], 1)[0]
+    seconds = wall(phyai_gym_run, 1)[0]
     return {"config": {"command": "phyai-gym run (defaults)"}, "results": {"wall_s": round(seconds, 2)}}
 
 

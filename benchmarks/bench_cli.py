@@ -131,8 +131,11 @@ def bench_ppo(seed: int) -> dict:
               "num_envs": args.num_envs, "torch_threads": torch.get_num_threads()}  # fmt: skip
     return {
         "config": config,
-        "results": {"wall_s": round(seconds, 1), "final_stochastic": result["final"]["stochastic"],
-                    "times_s": {k: round(v, 2) for k, v in result["times"].items()}},  # fmt: skip
+        "results": {
+            "wall_s": round(seconds, 1),
+            "final_stochastic": result["final"]["stochastic"],
+            "times_s": {k: round(v, 2) for k, v in result["times"].items()},
+        },  # fmt: skip
     }
 
 

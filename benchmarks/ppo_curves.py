@@ -1,7 +1,13 @@
-"""PPO learning curves, tiny PI0.5 on the target task, 3 seeds, CPU: rows -> ppo_curves.jsonl, plot ->
-benchmarks/results/ppo_curves_tiny_target.png.
+"""PPO learning curves of the tiny PI0.5 on the target task over several seeds, and one plot comparing them.
 
-    python -m benchmarks.ppo_curves [--seeds 1 2 3] [--iterations 20] [--out DIR]
+Runs ``examples/ppo_pi05.py`` once per seed (the settings of tests/examples/test_ppo.py), printing its
+``iter k/N`` + ETA lines. Each seed's curve is written as it goes to ``OUT/seed_<s>.csv`` with its panel plot
+``OUT/seed_<s>.png`` (phyai_gym.curves); at the end ``OUT/success.png`` overlays the seeds' success rates
+against the best constant action (~0.5). Nothing under benchmarks/results is touched unless ``--out`` points
+there.
+
+    python benchmarks/ppo_curves.py                          # 3 seeds x 20 iterations -> runs/ppo_curves/
+    python benchmarks/ppo_curves.py --seeds 1 --iterations 5 --out /tmp/curves
 """
 
 from __future__ import annotations
@@ -11,40 +17,29 @@ import importlib.util
 import sys
 from pathlib import Path
 
-from benchmarks.common import RESULTS, ROOT, write_rows
-
-CONFIG = "tiny PI0.5, target task, CPU, lr 3e-3, noise 1.0"
+ROOT = Path(__file__).resolve().parents[1]
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--seeds", type=int, nargs="+", default=[1, 2, 3])
-    parser.add_argument("--iterations", type=int, default=20)
-    parser.add_argument("--out", type=Path, default=None, help="folder for the rows and the plot (default: results/)")
-    cli = parser.parse_args()
+def load_example():
     spec = importlib.util.spec_from_file_location("ppo_pi05", ROOT / "examples" / "ppo_pi05.py")
     ppo = importlib.util.module_from_spec(spec)
-    sys.modules["ppo_pi05"] = ppo
+    sys.modules["ppo_pi05"] = ppo  # dataclasses look their module up there
     spec.loader.exec_module(ppo)
-    rows = []
-    for seed in cli.seeds:
-        args = ppo.Args(seed=seed, total_iterations=cli.iterations, eval_episodes=256, csv=None, threads=1,
-                        noise_level=1.0, learning_rate=3e-3, quiet=True)  # fmt: skip
-        result = ppo.train(args)
-        for row in result["curve"]:
-            rows.append({"config": CONFIG, "iterations": cli.iterations, "case": "tiny target", "seed": seed, **row,
-                         "final_stochastic": result["final"]["stochastic"],
-                         "final_deterministic": result["final"]["deterministic"]})  # fmt: skip
-    write_rows("ppo_curves", rows, cli.out, echo=False)
-    import matplotlib
+    return ppo
 
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
 
+def plot_seeds(curves: dict[int, list[dict]], path: Path) -> Path | None:
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        print("plot skipped: matplotlib is not installed (pip install matplotlib)")
+        return None
     fig, ax = plt.subplots(figsize=(6, 4))
-    for seed in cli.seeds:
-        mine = [r for r in rows if r["seed"] == seed]
-        ax.plot([r["global_step"] for r in mine], [r["success_rate"] for r in mine], label=f"seed {seed}")
+    for seed, rows in curves.items():
+        ax.plot([r["global_step"] for r in rows], [r["success_rate"] for r in rows], label=f"seed {seed}")
     ax.axhline(0.5, color="grey", linestyle="--", label="best constant action (~0.5)")
     ax.set_xlabel("env steps")
     ax.set_ylabel("success rate (rollout episodes)")
@@ -52,7 +47,28 @@ def main() -> None:
     ax.set_ylim(0, 1.05)
     ax.legend()
     fig.tight_layout()
-    fig.savefig((cli.out or RESULTS) / "ppo_curves_tiny_target.png", dpi=120)
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+    return path
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--seeds", type=int, nargs="+", default=[1, 2, 3], help="one PPO run per seed")
+    parser.add_argument("--iterations", type=int, default=20, help="PPO iterations per run")
+    parser.add_argument("--eval-episodes", type=int, default=256, help="final success-rate episodes per run")
+    parser.add_argument("--out", default="runs/ppo_curves", help="folder of the CSVs and plots")
+    args = parser.parse_args()
+    ppo, out = load_example(), Path(args.out)
+    curves = {}
+    for seed in args.seeds:
+        print(f"seed {seed}: {args.iterations} iterations -> {out / f'seed_{seed}.csv'}")
+        run = ppo.Args(seed=seed, total_iterations=args.iterations, eval_episodes=args.eval_episodes,
+                       csv=str(out / f"seed_{seed}.csv"), noise_level=1.0, learning_rate=3e-3)  # fmt: skip
+        curves[seed] = ppo.train(run)["curve"]
+    path = plot_seeds(curves, out / "success.png")
+    if path is not None:
+        print(f"plot: {path}")
 
 
 if __name__ == "__main__":

@@ -7,9 +7,15 @@ python examples/evaluate_success.py --checkpoint DIR --preset openpi_pi05_libero
 from __future__ import annotations
 
 import argparse
+import functools
+import sys
+
+from tqdm import tqdm
 
 from phyai_gym import PolicyVectorEnv, evaluate_success, make_env, make_policy
+from phyai_gym.cli import written_files
 from phyai_gym.evaluation import format_table
+from phyai_gym.threads import configure_threads
 
 parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
 parser.add_argument("--env", default="target")
@@ -17,8 +23,10 @@ parser.add_argument("--checkpoint", default=None)
 parser.add_argument("--preset", default=None)
 parser.add_argument("--episodes", type=int, default=16, help="episodes per task")
 parser.add_argument("--num-envs", type=int, default=4)
-parser.add_argument("--out", default=None, help="folder for episodes.jsonl / results.csv (resumable)")
+parser.add_argument("--out", default=None, help="folder for episodes.jsonl / results.csv / success.png (resumable)")
+parser.add_argument("--threads", type=int, default=None, help="torch CPU threads (default: 1 for the tiny policy)")
 args = parser.parse_args()
+print(configure_threads(args.threads, device="cpu", small_model=args.checkpoint is None))
 
 env = make_env(args.env, num_envs=args.num_envs)
 if args.checkpoint is None:  # random tiny PI0.5 with the stand-in tokenizer: a smoke test, ~50 % on "target"
@@ -28,9 +36,11 @@ else:
 envs = PolicyVectorEnv(env, policy, action_chunk=1 if args.env == "target" else None, deterministic=True)
 
 libero = args.env.startswith("libero_")  # LIBERO: episodes use the suite's fixed initial states
-result = evaluate_success(envs, args.episodes, out_dir=args.out, seed=0, init_state_option=libero)
+bar = functools.partial(tqdm, desc="episodes", unit="ep", file=sys.stderr)  # total, ETA; a resume starts it at N
+result = evaluate_success(envs, args.episodes, out_dir=args.out, seed=0, init_state_option=libero, progress=bar)
 envs.close()
 print(format_table(result))
 overall = result.overall
 ci = f"95% CI {overall.ci_low:.3f}-{overall.ci_high:.3f}"
 print(f"overall success {overall.success_rate:.3f} ({ci}), {overall.episodes} episodes")
+print(written_files(result))

@@ -16,22 +16,25 @@ episodes are bootstrapped with the critic on their final observation (``infos["p
     python examples/ppo_pi05.py                                 # tiny PI0.5 on the target task, CPU
     python examples/ppo_pi05.py --config base --device cuda     # published geometry on a GPU
     python examples/ppo_pi05.py --env libero_spatial --checkpoint DIR --preset rlinf_pi05_libero --device cuda
+    python examples/ppo_pi05.py --help                          # every flag, its meaning and default
+
+The curve is written as it goes (``--csv``, one row flushed per iteration) and plotted next to it (same name,
+``.png``) at the end and on Ctrl-C; `phyai_gym.curves` does both.
 """
 
 from __future__ import annotations
 
-import argparse
-import csv
-import dataclasses
 import random
 import time
 from dataclasses import dataclass, field
-from pathlib import Path
 
 import numpy as np
 import torch
 
+from phyai_gym.curves import CurveLog
+from phyai_gym.dataclass_cli import parse_dataclass
 from phyai_gym.make import make_env, make_policy
+from phyai_gym.threads import configure_threads
 from policies.master_weights import MasterWeights
 from policies.pi05.batch import RolloutBatch
 from policies.pi05.policy import RolloutConfig
@@ -40,10 +43,12 @@ from wrappers import PolicyVectorEnv
 
 @dataclass
 class Args:
+    """PPO for PI0.5 over a PolicyVectorEnv (cleanrl style); every flag below is a field of this dataclass."""
+
     seed: int = 1
     """seed of the weights (random policies), the envs and the minibatch shuffle"""
     threads: int | None = None
-    """torch CPU threads (None: torch's default)"""
+    """torch CPU threads (None: 1 for the tiny config on the CPU, torch's default otherwise)"""
     device: str = "cpu"
     """device of the rollout policy and the trainer"""
     # Policy
@@ -111,7 +116,7 @@ class Args:
     eval_episodes: int = 256
     """episodes of the final success-rate measurement (stochastic and deterministic); 0 skips it"""
     csv: str | None = "ppo_curve.csv"
-    """learning curve CSV (None: do not write)"""
+    """learning curve CSV, one row flushed per iteration; the plot goes next to it as .png (none: do not write)"""
     quiet: bool = False
     """no per-iteration line"""
 
@@ -131,25 +136,32 @@ class Args:
 
 
 def parse_args(argv: list[str] | None = None) -> Args:
-    """Command-line flags, one per `Args` field (``--total-iterations 40``, ``--anneal-lr true``)."""
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    for f in dataclasses.fields(Args):
-        if not f.init:
-            continue
-        kind = {"int": int, "float": float, "bool": lambda s: s.lower() in ("1", "true", "yes")}.get(
-            str(f.type).split(" ")[0], str
-        )
-        parser.add_argument(f"--{f.name.replace('_', '-')}", type=kind, default=f.default)
-    return Args(**vars(parser.parse_args(argv)))
+    """Command-line flags, one per `Args` field (``--total-iterations 40``, ``--anneal-lr``, ``--no-joint``)."""
+    return parse_dataclass(Args, argv)
 
 
 def train(args: Args) -> dict:
-    """Runs PPO; returns the learning curve (one dict per iteration) and the final success rates."""
+    """Runs PPO; returns the learning curve (one dict per iteration) and the final success rates.
+
+    The curve CSV and its plot are written on the way out, also when the loop is interrupted (Ctrl-C).
+    """
+    curves = CurveLog(args.csv, args.total_iterations, title=f"PPO, {args.config} PI0.5, {args.env}, {args.device}")
+    try:
+        return _train(args, curves)
+    finally:
+        files = curves.close()
+        done = f"{len(curves.rows)}/{args.total_iterations} iterations"
+        print(f"curve ({done}): {', '.join(map(str, files))}" if files else f"curve ({done}): not written (--csv none)")
+
+
+def _train(args: Args, curves: CurveLog) -> dict:
     random.seed(args.seed)
     np.random.seed(args.seed)
     torch.manual_seed(args.seed)
-    if args.threads:
-        torch.set_num_threads(args.threads)
+    tiny = args.config == "tiny" and args.checkpoint is None
+    threads = configure_threads(args.threads, device=args.device, small_model=tiny)
+    if not args.quiet:
+        print(threads)
     device = torch.device(args.device)
 
     # ---- env setup ---------------------------------------------------------------------------------
@@ -198,7 +210,6 @@ def train(args: Args) -> dict:
     global_step = 0
     start_time = time.perf_counter()
     obs, _ = envs.reset(seed=args.seed)
-    curve: list[dict] = []
     times = {"rollout": 0.0, "train": 0.0, "sync": 0.0}
     for iteration in range(1, args.total_iterations + 1):
         if args.anneal_lr:
@@ -320,10 +331,10 @@ def train(args: Args) -> dict:
             "time_sync": t_sync,
             "weight_version": report.version,
         }
-        curve.append(row)
+        curves.log(row)
         if not args.quiet:
             print(
-                f"iter {iteration:3d} step {global_step:6d} success {row['success_rate']:.2f} "
+                f"{curves.progress(iteration)} | step {global_step:6d} success {row['success_rate']:.2f} "
                 f"return {row['episodic_return']:+.3f} kl {row['approx_kl']:.4f} (first {row['approx_kl_first']:.1e}) "
                 f"clipfrac {row['clipfrac']:.2f} ev {row['explained_variance']:+.2f} SPS {row['sps']:.0f} | "
                 f"rollout {t_rollout:.2f}s train {t_train:.2f}s sync {t_sync * 1e3:.1f}ms v{report.version}",
@@ -338,19 +349,13 @@ def train(args: Args) -> dict:
         for mode in ("stochastic", "deterministic")
     }
     envs.close()
-    if args.csv:
-        Path(args.csv).parent.mkdir(parents=True, exist_ok=True)
-        with open(args.csv, "w", newline="") as handle:
-            writer = csv.DictWriter(handle, fieldnames=list(curve[0]))
-            writer.writeheader()
-            writer.writerows(curve)
     total = sum(times.values())
     print(
         f"final success: stochastic {final['stochastic']:.3f}, deterministic {final['deterministic']:.3f} | "
         f"time split: rollout {times['rollout'] / total:.0%}, training {times['train'] / total:.0%}, "
         f"weight sync {times['sync'] / total:.1%} of {total:.1f}s"
     )
-    return {"curve": curve, "final": final, "times": times}
+    return {"curve": curves.rows, "final": final, "times": times}
 
 
 @torch.no_grad()
@@ -369,4 +374,8 @@ def success_rate(envs: PolicyVectorEnv, episodes: int, *, deterministic: bool, s
 
 
 if __name__ == "__main__":
-    train(parse_args())
+    try:
+        train(parse_args())
+    except KeyboardInterrupt:
+        print("interrupted: the curve so far and its plot are written (above)")
+        raise SystemExit(130) from None

@@ -8,6 +8,9 @@ from __future__ import annotations
 import numpy as np
 
 from phyai_gym import PolicyVectorEnv, make_env, make_policy
+from phyai_gym.threads import configure_threads
+
+print(configure_threads(None, device="cpu", small_model=True))  # one torch thread: tiny models are latency-bound
 
 # 1. A vector env with canonical observations (images, state, task); "Pusher-v5" or "libero_spatial" work too.
 env = make_env("target", num_envs=4)

@@ -4,18 +4,22 @@
 tokenizer on 4 MuJoCo Pusher envs. ``phyai-gym run --checkpoint DIR --preset P --env libero_spatial``
 runs a real checkpoint on a real simulator. ``phyai-gym eval`` measures success rates over a fixed,
 resumable episode plan (`phyai_gym.evaluation`). Each subcommand has an ``_add_<name>_parser`` /
-``_<name>`` pair; errors in the options exit with status 2 and a message saying how to fix them.
+``_<name>`` pair; errors in the options exit with status 2 and a message saying how to fix them. torch and
+the simulators are imported inside the handlers, so that ``phyai-gym --help`` is instant.
 """
 
 from __future__ import annotations
 
 import argparse
+import functools
 import sys
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
 from phyai_gym.run import POLICIES, RunConfig
+
+EPISODES_FILE, RESULTS_FILE = "episodes.jsonl", "results.csv"  # phyai_gym.evaluation's names, without its imports
 
 
 def _add_policy_env_arguments(parser: argparse.ArgumentParser, default_env: str | None) -> None:
@@ -33,12 +37,17 @@ def _add_policy_env_arguments(parser: argparse.ArgumentParser, default_env: str 
     parser.add_argument("--image-size", type=int, default=None, help="rendered image side")
     parser.add_argument("--max-episode-steps", type=int, default=None, help="episode limit override")
     parser.add_argument("--vectorization", choices=["sync", "async"], default="sync")
+    parser.add_argument(
+        "--threads", type=int, default=None, help="torch CPU threads (default: 1 for small policies on the CPU)"
+    )
 
 
 def _add_run_parser(subparsers: Any) -> None:
     parser = subparsers.add_parser("run", help="run a policy in a vector env and print what it does")
     _add_policy_env_arguments(parser, default_env="Pusher-v5")
-    parser.add_argument("--chunks", type=int, default=3, help="policy calls (each runs C env steps)")
+    parser.add_argument(
+        "--chunks", type=int, default=None, help="policy calls of C env steps (default: until every env finished once)"
+    )
     parser.add_argument("--std", type=float, default=0.5, help="Gaussian baseline standard deviation")
     parser.add_argument("--deterministic", action="store_true", help="ODE sampling (no noise)")
     parser.set_defaults(handler=_run)
@@ -71,6 +80,7 @@ def _config(args: argparse.Namespace, **extra: Any) -> RunConfig:
         image_size=args.image_size,
         max_episode_steps=args.max_episode_steps,
         vectorization=args.vectorization,
+        threads=args.threads,
         **extra,
     )
 
@@ -88,7 +98,8 @@ def _eval(args: argparse.Namespace) -> int:
     from phyai_gym.evaluation import evaluate_success, file_sha256, format_table, project_commit
     from phyai_gym.make import MODEL_FILE, check_checkpoint, check_preset, resolve_env
     from phyai_gym.run import action_chunk_for, build_env, build_policy
-    from wrappers import PolicyVectorEnv
+    from phyai_gym.threads import configure_threads
+    from wrappers import FrameRecorder, PolicyVectorEnv
 
     if args.checkpoint is None and args.policy is None:
         raise ValueError(
@@ -109,10 +120,13 @@ def _eval(args: argparse.Namespace) -> int:
         weights = root / MODEL_FILE if (root / MODEL_FILE).is_file() else sorted(root.glob("*.safetensors"))[0]
         sha = file_sha256(weights)
     cfg = _config(args)
+    threads = configure_threads(args.threads, device=args.device, small_model=args.checkpoint is None)
     env_kwargs = {}
     if args.task_ids is not None:
         env_kwargs["task_ids"] = [int(t) for t in args.task_ids.split(",")]
     env = build_env(cfg, args.preset) if not env_kwargs else _libero_env(cfg, env_kwargs)
+    if args.video:
+        env = FrameRecorder(env)  # every env step, not one frame per chunk
     try:
         policy, description = build_policy(cfg, int(env.single_action_space.shape[0]))
         chunk = action_chunk_for(cfg, policy)
@@ -134,9 +148,11 @@ def _eval(args: argparse.Namespace) -> int:
         "num_envs": args.num_envs,
         "commit": project_commit(),
     }
+    print(threads)
     print(f"policy: {description}")
     print(f"env={args.env} num_envs={args.num_envs} action_chunk={chunk} episodes per task={args.episodes}")
-    bar = tqdm(desc="episodes", unit="ep", file=sys.stderr)
+    bar = functools.partial(tqdm, desc="episodes", unit="ep", file=sys.stderr, dynamic_ncols=True)
+    interrupted = False
     try:
         result = evaluate_success(
             wrapper,
@@ -150,20 +166,31 @@ def _eval(args: argparse.Namespace) -> int:
             progress=bar,
         )
     except KeyboardInterrupt:
-        print(f"interrupted; finished episodes are in {args.out}; run the same command again to resume.")
-        return 130
+        interrupted = True
     finally:
-        bar.close()
-        wrapper.close()
+        wrapper.close()  # evaluate_success closed the bar: the messages below are not printed onto it
+    if interrupted:
+        where = f"are in {Path(args.out) / EPISODES_FILE}" if args.out else "were not saved (no --out)"
+        print(f"interrupted; finished episodes {where}; run the same command again to resume.")
+        return 130
     print(format_table(result))
     planned = len(result.header["tasks"]) * args.episodes
     status = "complete" if result.complete else f"partial ({len(result.rows)}/{planned}; rerun to resume)"
     print(f"episodes: {status}")
-    if result.out_dir is not None:
-        print(f"wrote {Path(result.out_dir) / 'episodes.jsonl'} and {Path(result.out_dir) / 'results.csv'}")
-        for path in result.videos:
-            print(f"video: {path}")
+    print(written_files(result))
     return 0
+
+
+def written_files(result: Any) -> str:
+    """Where an evaluation's files went, one per line (or that nothing was written without --out)."""
+    if result.out_dir is None:
+        return "files: none written (pass --out DIR to keep episodes.jsonl, results.csv and the plot)"
+    out = Path(result.out_dir)
+    lines = [f"episodes: {out / EPISODES_FILE}", f"results:  {out / RESULTS_FILE}"]
+    if result.plot is not None:
+        lines.append(f"plot:     {result.plot}")
+    lines += [f"video:    {path}" for path in result.videos]
+    return "\n".join(lines)
 
 
 def _libero_env(cfg: RunConfig, kwargs: dict[str, Any]) -> Any:
@@ -182,13 +209,9 @@ def _episode_limits(env: Any) -> tuple[int | None, int | None]:
         except Exception:  # not every env has the attribute, and async envs may refuse
             return None
 
-    limit = first("max_episode_steps")
-    if limit is None:
-        spec = first("spec")
-        limit = getattr(spec, "max_episode_steps", None)
-    if limit is None:
-        limit = first("episode_length")
-    return limit, first("settle_steps")
+    from phyai_gym.run import episode_limit
+
+    return episode_limit(env), first("settle_steps")
 
 
 def build_parser() -> argparse.ArgumentParser:

@@ -28,10 +28,11 @@ from typing import Any
 import numpy as np
 import torch
 
-from wrappers import PolicyVectorEnv
+from wrappers import FrameRecorder, PolicyVectorEnv
 
 EPISODES_FILE = "episodes.jsonl"
 RESULTS_FILE = "results.csv"
+PLOT_FILE = "success.png"
 HEADER_KEYS_CHECKED = ("env", "checkpoint_sha256", "preset", "action_chunk", "episode_limit", "seed", "deterministic")
 """Header fields that must match for a restart to resume into an existing file."""
 
@@ -140,6 +141,9 @@ class EvalResult:
         overall: all episodes together.
         complete: every planned episode has a row.
         out_dir: where the JSONL/CSV went (None when not written).
+        videos: the MP4s written (one per recorded episode).
+        plot: the per-task success plot next to ``results.csv`` (None when not written).
+        resumed: episodes that were already in ``episodes.jsonl`` when the call started.
     """
 
     header: dict[str, Any]
@@ -149,6 +153,8 @@ class EvalResult:
     complete: bool
     out_dir: Path | None = None
     videos: list[Path] = field(default_factory=list)
+    plot: Path | None = None
+    resumed: int = 0
 
 
 def summarize(rows: Sequence[dict[str, Any]], tasks: Sequence[str]) -> tuple[list[TaskResult], TaskResult]:
@@ -223,7 +229,7 @@ def evaluate_success(
     max_episodes_this_run: int | None = None,
     video_episodes: int = 0,
     on_episode: Callable[[dict[str, Any]], None] | None = None,
-    progress: Any = None,
+    progress: Callable[..., Any] | None = None,
 ) -> EvalResult:
     """Runs the planned episodes on `env` and returns per-task and overall success rates.
 
@@ -235,9 +241,14 @@ def evaluate_success(
         seed: base seed of the plan (episode e resets with ``seed + e``).
         init_state_option: pass ``options={"init_state_id": ...}`` on resets (LIBERO's fixed initial states).
         max_episodes_this_run: stop after this many new episodes (the rest resumes on the next call).
-        video_episodes: write an MP4 (one frame per chunk) of episodes with ids below this (needs imageio).
+        video_episodes: write an MP4 (every env step, at the env's frame rate) of the episodes with ids below
+            this; needs imageio and a `wrappers.FrameRecorder` under the policy env:
+            ``PolicyVectorEnv(FrameRecorder(make_env(...)), policy, ...)``.
         on_episode: called with every new row.
-        progress: a tqdm-like object with ``update(n)`` (optional).
+        progress: a progress-bar factory (optional), called once as ``progress(total=..., initial=...)`` with
+            the episodes this call covers and how many of them are already done (a resume first prints
+            ``resuming: N of M episodes done``); it returns a tqdm-like bar (``update``, ``close``), e.g.
+            ``functools.partial(tqdm, desc="episodes")``, which is closed when the call ends or raises.
 
     Example:
         >>> from phyai_gym.make import make_env
@@ -249,6 +260,12 @@ def evaluate_success(
         (4, True)
     """
     n = env.num_envs
+    recorder = _find_recorder(env) if video_episodes > 0 else None
+    if video_episodes > 0 and recorder is None:
+        raise ValueError(
+            f"video_episodes={video_episodes} needs a wrappers.FrameRecorder under the policy env (it records every "
+            "env step). Fix: PolicyVectorEnv(FrameRecorder(make_env(...)), policy, ...), or video_episodes=0."
+        )
     obs, _ = env.reset(seed=seed)
     slot_task = [str(t) for t in obs["task"]]
     tasks = list(dict.fromkeys(slot_task))
@@ -274,31 +291,35 @@ def evaluate_success(
     active: list[Episode | None] = [None] * n
     frames: dict[int, list[np.ndarray]] = {}
     new_rows = 0
+    budget = math.inf if max_episodes_this_run is None else max_episodes_this_run
+    bar = None
+    if progress is not None:
+        if finished:  # before the bar appears
+            print(f"resuming: {len(finished)} of {len(plan)} episodes done ({out / EPISODES_FILE})", flush=True)
+        bar = progress(total=int(min(len(plan), len(finished) + budget)), initial=len(finished))
 
     def take(slot: int) -> Episode | None:
         queue = queues[slot_task[slot]]
         active[slot] = queue.popleft() if queue else None
+        if recorder is not None and active[slot] is not None and active[slot].episode_id < video_episodes:
+            recorder.arm(slot, active[slot].episode_id)
         return active[slot]
 
     def reset_slot(slot: int, episode: Episode, reseed_stream: bool) -> None:
         options: dict[str, Any] = {"reset_mask": np.arange(n) == slot}
         if init_state_option:
             options["init_state_id"] = episode.init_state_id
-        new_obs, _ = env.reset(seed=[episode.seed] * n, options=options)
+        env.reset(seed=[episode.seed] * n, options=options)
         if reseed_stream:  # the slot's policy stream restarts from the episode's seed (DESIGN C3)
             _seed_stream(env.policy, slot, episode.seed, n)
-        if episode.episode_id < video_episodes:
-            frames[episode.episode_id] = [_frame(new_obs, slot)]
 
     def start_all() -> None:
         """First episodes: one full reset with the episodes' seeds (env and policy streams alike)."""
         episodes = [take(slot) for slot in range(n)]
-        first_obs, _ = env.reset(seed=[e.seed if e is not None else seed + i for i, e in enumerate(episodes)])
+        env.reset(seed=[e.seed if e is not None else seed + i for i, e in enumerate(episodes)])
         for slot, episode in enumerate(episodes):
             if episode is not None and init_state_option:
                 reset_slot(slot, episode, reseed_stream=False)
-            elif episode is not None and episode.episode_id < video_episodes:
-                frames[episode.episode_id] = [_frame(first_obs, slot)]
 
     def start(slot: int) -> None:
         episode = take(slot)
@@ -307,7 +328,6 @@ def evaluate_success(
 
     try:
         start_all()
-        budget = math.inf if max_episodes_this_run is None else max_episodes_this_run
         while any(a is not None for a in active) and new_rows < budget:
             obs, _, _, _, infos = env.step()
             ended = np.asarray(infos.get("_episode", np.zeros(n, bool)))
@@ -315,8 +335,6 @@ def evaluate_success(
                 episode = active[slot]
                 if episode is None:
                     continue
-                if episode.episode_id in frames:
-                    frames[episode.episode_id].append(_frame(infos["final_obs"] if ended[slot] else obs, slot))
                 if not ended[slot] or new_rows >= budget:
                     continue
                 stats = infos["episode"]
@@ -330,24 +348,42 @@ def evaluate_success(
                 }
                 rows.append(row)
                 new_rows += 1
+                if recorder is not None and episode.episode_id < video_episodes:
+                    frames[episode.episode_id] = recorder.take(episode.episode_id)
                 if handle is not None:
                     handle.write(json.dumps(row) + "\n")
                     handle.flush()
                 if on_episode is not None:
                     on_episode(row)
-                if progress is not None:
-                    progress.update(1)
+                if bar is not None:
+                    bar.update(1)
                 start(slot)
     finally:
+        if bar is not None:
+            bar.close()  # before the caller prints anything
         if handle is not None:
             handle.close()
     rows.sort(key=lambda r: r["episode_id"])
     per_task, overall = summarize(rows, tasks)
-    result = EvalResult(header, rows, per_task, overall, complete=len(rows) == len(plan), out_dir=out)
+    result = EvalResult(
+        header, rows, per_task, overall, complete=len(rows) == len(plan), out_dir=out, resumed=len(finished)
+    )
     if out is not None:
+        from phyai_gym.success_plot import plot_success
+
         write_csv(result, out / RESULTS_FILE)
-        result.videos = _write_videos(frames, out / "videos")
+        result.plot = plot_success(result.tasks, result.overall, out / PLOT_FILE)
+        result.videos = _write_videos(frames, out / "videos", recorder.fps if recorder is not None else 20.0)
     return result
+
+
+def _find_recorder(env: Any) -> FrameRecorder | None:
+    """The `FrameRecorder` in the wrapper stack under `env`, if any."""
+    while env is not None:
+        if isinstance(env, FrameRecorder):
+            return env
+        env = getattr(env, "env", None)
+    return None
 
 
 def _seed_stream(policy: Any, slot: int, seed: int, num_envs: int) -> None:
@@ -359,13 +395,8 @@ def _seed_stream(policy: Any, slot: int, seed: int, num_envs: int) -> None:
         streams.set_seeds(ids, torch.tensor([seed], dtype=torch.int64, device=device), upper=num_envs)
 
 
-def _frame(obs: dict[str, Any], slot: int) -> np.ndarray:
-    image = next(iter(obs["images"].values()))[slot]
-    return np.asarray(image.cpu() if hasattr(image, "cpu") else image, dtype=np.uint8)
-
-
-def _write_videos(frames: dict[int, list[np.ndarray]], folder: Path) -> list[Path]:
-    """MP4s (one frame per chunk) of the recorded episodes; skipped with a message without imageio."""
+def _write_videos(frames: dict[int, list[np.ndarray]], folder: Path, fps: float) -> list[Path]:
+    """MP4s (one frame per env step, at `fps`) of the recorded episodes; skipped with a message without imageio."""
     if not frames:
         return []
     try:
@@ -378,7 +409,7 @@ def _write_videos(frames: dict[int, list[np.ndarray]], folder: Path) -> list[Pat
     for episode_id, images in sorted(frames.items()):
         path = folder / f"episode_{episode_id:05d}.mp4"
         try:
-            with imageio.get_writer(path, fps=10, macro_block_size=1) as writer:
+            with imageio.get_writer(path, fps=fps, macro_block_size=1) as writer:
                 for image in images:
                     writer.append_data(image)
         except Exception as error:  # no ffmpeg backend

@@ -1,21 +1,22 @@
-"""``phyai-gym run``: drive a policy through `PolicyVectorEnv` for a few chunks and show what it does.
+"""``phyai-gym run``: drive a policy through `PolicyVectorEnv` until every env finished an episode.
 
 With no arguments it runs offline: a tiny PI0.5 (random weights with a fixed seed, the locally built
 stand-in tokenizer) on 4 MuJoCo Pusher envs. With a checkpoint and a LIBERO suite or ManiSkill task it
-runs the real policy on the real simulator.
+runs the real policy on the real simulator. Heavy modules (torch, gymnasium, the simulators) are imported
+when a run starts, so that ``phyai-gym --help`` stays instant.
 """
 
 from __future__ import annotations
 
+import math
 import sys
 import time
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-import numpy as np
-import torch
-
-from phyai_gym.make import TEST_ENVS, make_env, make_policy, resolve_env, standin_tokenizer
+if TYPE_CHECKING:
+    import numpy as np
+    import torch
 
 POLICIES: tuple[str, ...] = ("tiny", "base", "gaussian")
 """Policies without a checkpoint: random PI0.5 geometries and the Gaussian baseline."""
@@ -36,8 +37,8 @@ class RunConfig:
     """Env name (see `phyai_gym.make.make_env`)."""
     num_envs: int = 4
     """N, sub-envs."""
-    chunks: int = 3
-    """Policy calls (each runs C env steps)."""
+    chunks: int | None = None
+    """Policy calls (each runs C env steps); None: enough for every env to finish one episode."""
     action_chunk: int | None = None
     """C, env steps per call (None: 5 for random policies, the checkpoint's setting otherwise)."""
     seed: int = 0
@@ -62,6 +63,8 @@ class RunConfig:
     """Standard deviation of the Gaussian baseline."""
     quiet: bool = False
     """Print nothing (library use)."""
+    threads: int | None = None
+    """Torch CPU threads (None: 1 for small policies on the CPU, torch's default otherwise)."""
 
     def __post_init__(self) -> None:
         if self.checkpoint is not None and self.policy is not None:
@@ -73,9 +76,11 @@ class RunConfig:
             raise ValueError(f"--policy: expected one of {POLICIES}, got {self.policy!r}.")
         if self.preset is not None and self.checkpoint is None and self.policy == "gaussian":
             raise ValueError("conflicting options: --preset applies to PI0.5 policies, not --policy gaussian.")
-        for name in ("num_envs", "chunks"):
-            if getattr(self, name) < 1:
+        for name in ("num_envs", "chunks", "threads"):
+            if getattr(self, name) is not None and getattr(self, name) < 1:
                 raise ValueError(f"--{name.replace('_', '-')}: expected >= 1, got {getattr(self, name)}.")
+        from phyai_gym.make import resolve_env
+
         resolve_env(self.env)  # unknown names fail here, before anything is built
 
 
@@ -89,6 +94,8 @@ class RunSummary:
         mean_return: mean per-env reward sum over the run.
         episodes: episodes that finished.
         policy: a one-line description of the policy.
+        episode_return: mean return of the finished episodes (nan without any).
+        success_rate: success rate of the finished episodes (nan without any, or when the env reports none).
     """
 
     env_steps: int
@@ -96,10 +103,14 @@ class RunSummary:
     mean_return: float
     episodes: int
     policy: str
+    episode_return: float = float("nan")
+    success_rate: float = float("nan")
 
 
 def build_policy(cfg: RunConfig, action_dim: int) -> tuple[Any, str]:
     """The policy of `cfg` and a one-line description (says when weights are random / the tokenizer a stand-in)."""
+    from phyai_gym.make import make_policy, standin_tokenizer
+
     if cfg.checkpoint is not None:
         policy = make_policy(cfg.checkpoint, preset=cfg.preset, device=cfg.device, max_batch_size=cfg.num_envs)
         preset = policy.processor.config.preset or cfg.preset
@@ -123,6 +134,8 @@ def build_policy(cfg: RunConfig, action_dim: int) -> tuple[Any, str]:
 
 def build_env(cfg: RunConfig, policy_preset: str | None = None) -> Any:
     """The vector env of `cfg` (LIBERO gets the episode limits that match the policy's preset)."""
+    from phyai_gym.make import TEST_ENVS, make_env, resolve_env
+
     kwargs: dict[str, Any] = {}
     if resolve_env(cfg.env).kind == "libero" and policy_preset:
         kwargs["preset"] = _LIBERO_PRESETS.get(policy_preset.split("_")[0], "openpi")
@@ -142,13 +155,51 @@ def action_chunk_for(cfg: RunConfig, policy: Any) -> int:
     return int(rollout.action_chunk) if rollout is not None else min(5, int(policy.action_horizon))
 
 
+def episode_limit(env: Any) -> int | None:
+    """Episode limit in env steps of the first sub-env, where the env exposes one."""
+
+    def first(name: str) -> Any:
+        try:
+            return env.get_attr(name)[0]
+        except Exception:  # not every env has the attribute, and async envs may refuse
+            return None
+
+    limit = first("max_episode_steps")
+    if limit is None:
+        limit = getattr(first("spec"), "max_episode_steps", None)
+    if limit is None:
+        limit = first("_max_episode_steps")  # a time-limit wrapper outside the registry (ManiSkill's)
+    if limit is None:
+        limit = first("episode_length")
+    return None if limit is None else int(limit)
+
+
+MAX_CHUNKS_UNTIL_DONE = 200
+"""Cap of a ``chunks=None`` run on an env without an episode limit."""
+COLUMNS = (
+    "columns: means over the N envs of one policy call -- reward summed over its C env steps; log-prob of the "
+    "sampled chunk (a log-density summed over C x A action dims, so it can be positive); value = the critic's "
+    "estimate; |action| = L2 norm of the chunk; ended = episodes that finished in it"
+)
+
+
 def run(cfg: RunConfig) -> RunSummary:
-    """Runs `cfg.chunks` policy calls on `cfg.num_envs` envs; prints a per-step table and a summary."""
+    """Runs `cfg.chunks` policy calls on `cfg.num_envs` envs; prints a per-chunk table and a summary.
+
+    Example:
+        >>> summary = run(RunConfig(env="scripted", num_envs=2, action_chunk=2, quiet=True))
+        >>> summary.episodes >= 2
+        True
+    """
+    import numpy as np
+    import torch
     from tqdm import tqdm
 
+    from phyai_gym.threads import configure_threads
     from wrappers import PolicyVectorEnv
 
     say = (lambda *a: None) if cfg.quiet else print
+    say(configure_threads(cfg.threads, device=cfg.device, small_model=cfg.checkpoint is None and cfg.policy != "base"))
     preset = cfg.preset
     if cfg.checkpoint is not None and preset is None:
         from policies.pi05.presets import infer_preset
@@ -166,48 +217,79 @@ def run(cfg: RunConfig) -> RunSummary:
     except BaseException:
         env.close()
         raise
+    limit = episode_limit(env)
+    # chunks=None: to the episode limit (every env then has ended an episode), or until every env ended one
+    planned = cfg.chunks if cfg.chunks is not None else (math.ceil(limit / chunk) if limit else None)
     say(f"policy: {description}")
     obs, _ = wrapper.reset(seed=cfg.seed)
     say(
         f"env={cfg.env} num_envs={wrapper.num_envs} action_chunk={chunk} action_dim={action_dim} "
-        f"state_dim={obs['state'].shape[1]} task={str(obs['task'][0])!r}"
+        f"state_dim={obs['state'].shape[1]} episode_limit={limit} task={str(obs['task'][0])!r}"
     )
-    rows, returns, episodes = [], np.zeros(wrapper.num_envs), 0
+    rows, returns, ended_returns, successes = [], np.zeros(wrapper.num_envs), [], []
     start = time.perf_counter()
-    bar = tqdm(range(cfg.chunks), desc="chunks", unit="chunk", file=sys.stderr, disable=cfg.quiet)
-    for index in bar:
+    bar = tqdm(total=planned, desc="chunks", unit="chunk", file=sys.stderr, disable=cfg.quiet)
+    ended_once, index = np.zeros(wrapper.num_envs, bool), 0
+    while index < (planned or MAX_CHUNKS_UNTIL_DONE) and (planned is not None or not ended_once.all()):
         obs, rewards, terminated, truncated, info = wrapper.step()
         rewards = np.asarray(rewards.cpu() if isinstance(rewards, torch.Tensor) else rewards, dtype=np.float64)
-        done = np.asarray(terminated | truncated).astype(bool)
-        rows.extend(table_rows(index, rewards, done, info["policy"]))
+        ended = np.asarray(info.get("_episode", np.zeros(wrapper.num_envs, bool)), dtype=bool)
+        rows.append(table_row(index, rewards, ended, info["policy"]))
         returns += rewards
-        episodes += int(np.asarray(info.get("_episode", np.zeros(1, bool))).sum())
+        if ended.any():
+            ended_returns += np.asarray(info["episode"]["r"])[ended].tolist()
+            if "success" in info:
+                successes += np.asarray(info["episode"]["success_once"])[ended].tolist()
+        ended_once |= ended
+        index += 1
+        bar.update(1)
+    bar.close()
+    chunks = index
     elapsed = time.perf_counter() - start
     wrapper.close()
-    env_steps = cfg.chunks * chunk * wrapper.num_envs
+    env_steps = chunks * chunk * wrapper.num_envs
+    summary = RunSummary(
+        env_steps, elapsed, float(returns.mean()), len(ended_returns), description,
+        float(np.mean(ended_returns)) if ended_returns else float("nan"),
+        float(np.mean(successes)) if successes else float("nan"),
+    )  # fmt: skip
     if not cfg.quiet:
+        print(COLUMNS)
         print_table(rows)
+        success = f"{summary.success_rate:.2f}" if successes else f"n/a ({cfg.env} reports no success flag)"
         print(
-            f"summary: {cfg.chunks} chunks, {env_steps} env steps in {elapsed:.2f} s "
-            f"({env_steps / max(elapsed, 1e-9):.1f} env steps/s); mean return so far {returns.mean():.3f}; "
-            f"finished episodes {episodes}; policy: {description.split(';')[0]}"
+            f"summary: {chunks} chunks, {env_steps} env steps in {elapsed:.2f} s "
+            f"({env_steps / max(elapsed, 1e-9):.1f} env steps/s); finished episodes {summary.episodes}, "
+            f"mean episode return {summary.episode_return:.3f}, success rate {success}; "
+            f"policy: {description.split(';')[0]}"
         )
-    return RunSummary(env_steps, elapsed, float(returns.mean()), episodes, description)
+        print(next_steps(cfg))
+    return summary
 
 
-def table_rows(chunk: int, rewards: np.ndarray, done: np.ndarray, policy: dict[str, torch.Tensor]) -> list[tuple]:
-    """(chunk, env, reward, log-prob, value, |action|, done) per env of one step."""
-    norms = policy["actions"].flatten(1).norm(dim=1).tolist()
-    log_probs, values = policy["log_prob"].tolist(), policy["values"].tolist()
-    return [
-        (chunk, i, float(rewards[i]), log_probs[i], values[i], norms[i], bool(done[i])) for i in range(len(rewards))
-    ]
+def next_steps(cfg: RunConfig) -> str:
+    """What to try after a run: success rates, PPO, a real checkpoint."""
+    env = f"--env {cfg.env} " if cfg.env != "Pusher-v5" else ""
+    return (
+        "next: success rates with `phyai-gym eval " + env + "--policy tiny --episodes 4 --out runs/demo`; "
+        "PPO with `python examples/ppo_pi05.py`; a trained policy with `phyai-gym run --checkpoint DIR "
+        "--preset openpi_pi05_libero --env libero_spatial` (see the README)"
+    )
+
+
+def table_row(chunk: int, rewards: np.ndarray, ended: np.ndarray, policy: dict[str, torch.Tensor]) -> tuple:
+    """(chunk, reward, log-prob, value, |action|, ended) of one policy call, means over the envs."""
+    norms = policy["actions"].flatten(1).norm(dim=1)
+    return (
+        chunk, float(rewards.mean()), float(policy["log_prob"].float().mean()), float(policy["values"].float().mean()),
+        float(norms.float().mean()), int(ended.sum()),
+    )  # fmt: skip
 
 
 def print_table(rows: list[tuple]) -> None:
-    """The per-step table."""
-    header = f"{'chunk':>5} {'env':>3} {'reward':>10} {'log-prob':>10} {'value':>8} {'|action|':>9} {'done':>5}"
+    """The per-chunk table."""
+    header = f"{'chunk':>5} {'reward':>10} {'log-prob':>10} {'value':>8} {'|action|':>9} {'ended':>5}"
     print(header)
     print("-" * len(header))
-    for chunk, env, reward, log_prob, value, norm, done in rows:
-        print(f"{chunk:>5} {env:>3} {reward:>10.4f} {log_prob:>10.3f} {value:>8.3f} {norm:>9.3f} {done!s:>5}")
+    for chunk, reward, log_prob, value, norm, ended in rows:
+        print(f"{chunk:>5} {reward:>10.4f} {log_prob:>10.3f} {value:>8.3f} {norm:>9.3f} {ended:>5d}")

@@ -7,6 +7,7 @@ from typing import Any
 from wrappers.adapters.mujoco import make_mujoco_env
 from wrappers.adapters.scripted import make_scripted_env
 from wrappers.episode_statistics import EpisodeStatistics
+from wrappers.frame_recorder import FrameRecorder
 from wrappers.freeze import FREEZABLE_KEY, THAW_OPTION, FreezeOnDone, is_freezable, make_freezable_vector_env
 from wrappers.policy_vector_env import PolicyVectorEnv
 
@@ -19,6 +20,7 @@ __all__ = [
     "FREEZABLE_KEY",
     "THAW_OPTION",
     "EpisodeStatistics",
+    "FrameRecorder",
     "FreezeOnDone",
     "PolicyVectorEnv",
     "is_freezable",

@@ -1,10 +1,12 @@
-"""PPO end to end: tiny PI0.5 on the target task beats the best constant action by >= 20 points (3 seeds)."""
+"""PPO end to end: tiny PI0.5 on the target task beats the best constant action by >= 20 points (3 seeds).
+
+Wall time is a benchmark's business (benchmarks/bench_cli.py --which ppo), not these tests'.
+"""
 
 from __future__ import annotations
 
 import importlib.util
 import sys
-import time
 from pathlib import Path
 
 import numpy as np
@@ -46,17 +48,55 @@ def test_best_constant_action_is_about_chance():
 def test_ppo_beats_best_constant_action(seed, tmp_path):
     ppo = _ppo_module()
     args = ppo.Args(seed=seed, total_iterations=PPO_ITERATIONS, eval_episodes=256, csv=str(tmp_path / "curve.csv"),
-                    threads=2, noise_level=1.0, learning_rate=3e-3, quiet=True)  # fmt: skip
-    start = time.perf_counter()
+                    noise_level=1.0, learning_rate=3e-3, quiet=True)  # fmt: skip
     result = ppo.train(args)
-    elapsed = time.perf_counter() - start
     baseline = best_constant_action_success()
     success = result["final"]["stochastic"]
     print(f"seed {seed}: best constant {baseline:.3f}, PPO {success:.3f} "
-          f"(deterministic {result['final']['deterministic']:.3f}) in {elapsed:.0f}s")  # fmt: skip
+          f"(deterministic {result['final']['deterministic']:.3f})")  # fmt: skip
     assert success >= baseline + 0.20
     curve = result["curve"]
     assert abs(curve[0]["approx_kl_first"]) < 1e-4  # trainer recomputes the rollout's log-probs (ratio = 1)
     assert [row["weight_version"] for row in curve] == list(range(2, PPO_ITERATIONS + 2))  # one sync per iteration
     assert (tmp_path / "curve.csv").read_text().startswith("iteration,global_step,success_rate")
-    assert elapsed < 300
+
+
+def test_interrupted_run_leaves_its_curve_and_plot(tmp_path, monkeypatch, capsys):
+    pytest.importorskip("matplotlib")
+    import torch
+
+    ppo = _ppo_module()
+    args = ppo.Args(num_envs=4, num_steps=2, total_iterations=6, eval_episodes=0, csv=str(tmp_path / "curve.csv"))
+    steps_per_iteration = args.update_epochs * args.num_minibatches
+    real_step, calls = torch.optim.Adam.step, {"n": 0}
+
+    def ctrl_c_in_iteration_3(self, *a, **kw):  # Ctrl-C during the third update
+        calls["n"] += 1
+        if calls["n"] > 2 * steps_per_iteration:
+            raise KeyboardInterrupt
+        return real_step(self, *a, **kw)
+
+    monkeypatch.setattr(torch.optim.Adam, "step", ctrl_c_in_iteration_3)
+    with pytest.raises(KeyboardInterrupt):
+        ppo.train(args)
+    lines = (tmp_path / "curve.csv").read_text().splitlines()
+    assert lines[0].startswith("iteration,global_step,success_rate")
+    assert [r.split(",")[0] for r in lines[1:]] == ["1", "2"]  # both finished iterations, flushed
+    assert (tmp_path / "curve.png").read_bytes().startswith(b"\x89PNG")
+    out = capsys.readouterr().out
+    assert "torch CPU threads: 1 (default for small models on the CPU" in out
+    assert "iter 1/6 |" in out and "ETA" in out
+    assert f"curve (2/6 iterations): {tmp_path / 'curve.csv'}, {tmp_path / 'curve.png'}" in out
+
+
+def test_command_line_has_help_defaults_and_boolean_pairs(capsys):
+    ppo = _ppo_module()
+    argv = ["--quiet", "--no-joint", "--total-iterations", "3", "--csv", "none", "--learning-rate", "1e-3"]
+    args = ppo.parse_args(argv)
+    assert (args.quiet, args.joint, args.total_iterations, args.csv, args.learning_rate) == (True, False, 3, None, 1e-3)
+    assert ppo.parse_args([]).quiet is False
+    with pytest.raises(SystemExit):
+        ppo.parse_args(["--help"])
+    text = " ".join(capsys.readouterr().out.split())
+    assert "--quiet, --no-quiet no per-iteration line (default: False)" in text
+    assert "--num-envs NUM_ENVS N, parallel envs (default: 32)" in text

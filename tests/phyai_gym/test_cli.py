@@ -4,7 +4,6 @@ import csv
 import json
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import pytest
@@ -35,16 +34,15 @@ def test_run_pusher_tiny_pi05_few_chunks(capsys):
 
 
 @pytest.mark.slow
-def test_run_true_default_under_two_minutes():
-    start = time.perf_counter()
+def test_run_true_default():  # its wall time is measured by benchmarks/bench_cli.py
     proc = subprocess.run(
-        [sys.executable, "-m", "phyai_gym.cli", "run"], cwd=ROOT, capture_output=True, text=True, timeout=300
+        [sys.executable, "-m", "phyai_gym.cli", "run"], cwd=ROOT, capture_output=True, text=True, timeout=1800
     )
-    elapsed = time.perf_counter() - start
     assert proc.returncode == 0, proc.stderr[-2000:]
-    assert "env=Pusher-v5 num_envs=4" in proc.stdout and "summary: 3 chunks" in proc.stdout
+    assert "env=Pusher-v5 num_envs=4" in proc.stdout and "episode_limit=100" in proc.stdout
+    assert "summary: 20 chunks, 400 env steps" in proc.stdout and "finished episodes 4," in proc.stdout
+    assert "columns: means over the N envs" in proc.stdout and proc.stdout.rstrip().splitlines()[-1].startswith("next:")
     assert "chunks" in proc.stderr  # the tqdm bar
-    assert elapsed < 120, f"phyai-gym run took {elapsed:.1f}s"
 
 
 def test_parser_requires_a_command():
@@ -182,11 +180,44 @@ def test_eval_keyboard_interrupt_keeps_finished_episodes(capsys, tmp_path, monke
     assert sorted(ids) == list(range(10))
 
 
-def test_eval_video(capsys, tmp_path):
-    pytest.importorskip("imageio")
-    assert main([*EVAL, "--episodes", "2", "--out", str(tmp_path), "--video", "1"]) == 0
+def test_eval_video_has_every_env_step_at_the_env_frame_rate(capsys, tmp_path):
+    imageio = pytest.importorskip("imageio.v2")
+    pytest.importorskip("imageio_ffmpeg")
+    argv = ["eval", "--env", "scripted", "--policy", "tiny", "--num-envs", "2", "--action-chunk", "5"]
+    assert main([*argv, "--episodes", "2", "--out", str(tmp_path), "--video", "1"]) == 0
     out = capsys.readouterr().out
-    assert "video:" in out or "videos skipped" in out
+    video = tmp_path / "videos" / "episode_00000.mp4"
+    assert f"video:    {video}" in out
+    length = {r["episode_id"]: r["length"] for r in _rows(tmp_path / "episodes.jsonl")[1]}[0]
+    reader = imageio.get_reader(video)
+    assert reader.count_frames() == length + 1  # the reset frame and one per env step (not one per chunk)
+    assert reader.get_meta_data()["fps"] == 20.0  # the scripted env declares no render_fps: the default
+
+
+def test_eval_resume_line_and_where_every_file_went(capsys, tmp_path):
+    pytest.importorskip("matplotlib")
+    assert main([*EVAL, "--out", str(tmp_path), "--max-episodes-this-run", "4"]) == 0
+    capsys.readouterr()
+    assert main([*EVAL, "--out", str(tmp_path)]) == 0
+    captured = capsys.readouterr()
+    assert f"resuming: 4 of 10 episodes done ({tmp_path / 'episodes.jsonl'})" in captured.out
+    assert "4/10" in captured.err and "10/10" in captured.err  # the bar starts at the resumed count, has a total
+    for label, name in (("episodes", "episodes.jsonl"), ("results", "results.csv"), ("plot", "success.png")):
+        assert f"{label + ':':<10}{tmp_path / name}" in captured.out
+        assert (tmp_path / name).stat().st_size > 0
+
+
+def test_eval_interrupt_message_is_not_on_the_bar(capsys, tmp_path, monkeypatch):
+    import phyai_gym.evaluation as evaluation
+
+    def interrupt(*args, **kwargs):
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(evaluation, "_seed_stream", interrupt)  # inside the episode loop, at the first new episode
+    assert main([*EVAL, "--out", str(tmp_path)]) == 130
+    captured = capsys.readouterr()
+    assert captured.out.splitlines()[-1].startswith("interrupted; finished episodes are in ")
+    assert "interrupted" not in captured.err
 
 
 @pytest.mark.slow

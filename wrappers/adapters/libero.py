@@ -34,6 +34,7 @@ import numpy as np
 from gymnasium import spaces
 from gymnasium.vector import AutoresetMode, VectorEnv
 
+from wrappers.adapters.robosuite_logging import quiet_robosuite_macros
 from wrappers.freeze import make_freezable_vector_env
 
 __all__ = [
@@ -174,6 +175,7 @@ def _ensure_hf_libero_config() -> None:
 def _import_libero() -> tuple[Any, Any]:
     """(benchmark module, get_libero_path), or an ImportError naming the extra to install."""
     _ensure_hf_libero_config()
+    quiet_robosuite_macros()
     try:
         benchmark = importlib.import_module("libero.libero.benchmark")
         get_libero_path = importlib.import_module("libero.libero").get_libero_path
@@ -411,6 +413,7 @@ class LiberoEnv(gym.Env):
 
     def _make_sim(self) -> Any:
         _ensure_hf_libero_config()
+        quiet_robosuite_macros()
         os.environ.setdefault("MUJOCO_GL", "egl")
         os.environ.setdefault("PYOPENGL_PLATFORM", os.environ["MUJOCO_GL"])
         try:

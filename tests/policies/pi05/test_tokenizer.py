@@ -1,7 +1,5 @@
 from __future__ import annotations
 
-import time
-
 import pytest
 
 from policies.pi05.tokenizer import (
@@ -40,9 +38,7 @@ def test_standin_splits_digits_and_round_trips(standin_tok):
 def test_standin_is_cached(standin_tokenizer):
     model = standin_tokenizer / "tokenizer.model"
     before = model.stat().st_mtime_ns
-    t0 = time.perf_counter()
-    assert build_standin_tokenizer(standin_tokenizer) == standin_tokenizer
-    assert time.perf_counter() - t0 < 0.5
+    assert build_standin_tokenizer(standin_tokenizer) == standin_tokenizer  # speed: benchmarks/bench_cli.py
     assert model.stat().st_mtime_ns == before
 
 

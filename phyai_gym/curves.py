@@ -1,0 +1,198 @@
+"""Learning curves of a training loop: CSV rows flushed every iteration, an ``iter k/N`` + ETA line, a PNG.
+
+`CurveLog` is what a loop needs: ``log(row)`` appends one row to the CSV at once (an interrupted run keeps every
+finished iteration), ``progress(k)`` gives the ``iter k/N | elapsed, ETA`` prefix of the loop's own line, and
+``close()`` -- at the end, or from a ``finally`` on Ctrl-C -- writes the plot next to the CSV. The plot shows the
+PPO columns it finds: success rate, episodic return, approx-KL, clip fraction, explained variance and the time
+split (columns named ``time_*``). matplotlib is imported only to plot, with the file-only ``Agg`` backend.
+
+Re-plot a CSV (e.g. one copied from a GPU run)::
+
+    python -m phyai_gym.curves ppo_curve.csv [--out plot.png]
+"""
+
+from __future__ import annotations
+
+import argparse
+import csv
+import math
+import time
+from collections.abc import Mapping, Sequence
+from pathlib import Path
+from typing import Any
+
+PANELS: tuple[tuple[str, str], ...] = (
+    ("success_rate", "success rate (rollout episodes)"),
+    ("episodic_return", "episodic return"),
+    ("approx_kl", "approx-KL (last minibatch)"),
+    ("clipfrac", "clip fraction"),
+    ("explained_variance", "explained variance"),
+)
+"""(CSV column, panel title) of the line panels; the sixth panel is the time split of the ``time_*`` columns."""
+
+
+def _clock(seconds: float) -> str:
+    """``1h02m``, ``3m05s`` or ``42s``."""
+    if not math.isfinite(seconds):
+        return "?"
+    s = int(round(seconds))
+    if s >= 3600:
+        return f"{s // 3600}h{s % 3600 // 60:02d}m"
+    return f"{s // 60}m{s % 60:02d}s" if s >= 60 else f"{s}s"
+
+
+class CurveLog:
+    """One CSV row per iteration (flushed at once), a progress prefix with an ETA, a plot on `close`.
+
+    Args:
+        csv_path: the CSV to write (None: rows are kept in memory only, nothing is written).
+        total: the planned number of iterations N (for ``progress`` and the ETA).
+        title: the plot's title.
+
+    Attributes:
+        rows: every logged row, in order.
+        csv_path: the CSV (None when not written).
+        plot_path: the PNG next to the CSV (same name, ``.png``; None when no CSV is written).
+
+    Example:
+        >>> import os, tempfile
+        >>> log = CurveLog(os.path.join(tempfile.mkdtemp(), "curve.csv"), total=2)
+        >>> log.log({"iteration": 1, "success_rate": 0.5})
+        >>> log.progress(1).startswith("iter 1/2 |")
+        True
+        >>> [p.suffix for p in log.close()] in ([".csv", ".png"], [".csv"])  # the PNG needs matplotlib
+        True
+    """
+
+    def __init__(self, csv_path: str | Path | None, total: int, *, title: str = "") -> None:
+        if total < 1:
+            raise ValueError(f"CurveLog: total must be >= 1 (the planned iterations), got {total}.")
+        self.csv_path = None if csv_path is None else Path(csv_path)
+        self.plot_path = None if self.csv_path is None else self.csv_path.with_suffix(".png")
+        self.total = total
+        self.title = title
+        self.rows: list[dict[str, Any]] = []
+        self._start = time.perf_counter()
+        self._log_times: list[float] = []
+        self._handle: Any = None
+        self._writer: csv.DictWriter | None = None
+        self._closed = False
+
+    def log(self, row: Mapping[str, Any]) -> None:
+        """Appends `row` (same columns as the first row) to the CSV and flushes it."""
+        self.rows.append(dict(row))
+        self._log_times.append(time.perf_counter())
+        if self.csv_path is None:
+            return
+        if self._writer is None:
+            self.csv_path.parent.mkdir(parents=True, exist_ok=True)
+            self._handle = open(self.csv_path, "w", newline="")  # noqa: SIM115  (open until close())
+            self._writer = csv.DictWriter(self._handle, fieldnames=list(row))
+            self._writer.writeheader()
+        self._writer.writerow(row)
+        self._handle.flush()
+
+    def progress(self, k: int) -> str:
+        """``iter k/N | 1m05s elapsed, ETA 3m10s`` after iteration k.
+
+        The ETA is the mean time between logged rows times the iterations left (after the first row: the time
+        since construction, set-up included).
+        """
+        now = time.perf_counter()
+        elapsed = now - self._start
+        logged = len(self._log_times)
+        if logged >= 2:
+            per_iteration = (self._log_times[-1] - self._log_times[0]) / (logged - 1)
+        else:
+            per_iteration = elapsed / max(k, 1)
+        eta = per_iteration * (self.total - k) if k > 0 else math.inf
+        width = len(str(self.total))
+        return f"iter {k:>{width}d}/{self.total} | {_clock(elapsed)} elapsed, ETA {_clock(eta)}"
+
+    def close(self) -> list[Path]:
+        """Closes the CSV and writes the plot (once; later calls only return the paths). Returns the files."""
+        if not self._closed:
+            self._closed = True
+            if self._handle is not None:
+                self._handle.close()
+            if self.plot_path is not None and self.rows:
+                if plot_curves(self.rows, self.plot_path, self.title) is None:
+                    self.plot_path = None
+        return [p for p in (self.csv_path, self.plot_path) if p is not None and p.exists()]
+
+    def __enter__(self) -> CurveLog:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+
+def _column(rows: Sequence[Mapping[str, Any]], key: str) -> list[float]:
+    out = []
+    for row in rows:
+        try:
+            out.append(float(row.get(key, "nan")))
+        except (TypeError, ValueError):
+            out.append(float("nan"))
+    return out
+
+
+def plot_curves(rows: Sequence[Mapping[str, Any]], path: str | Path, title: str = "") -> Path | None:
+    """Writes the 2 x 3 panel plot of `rows` to `path`; returns it (None without matplotlib, with a message)."""
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        print("plot skipped: matplotlib is not installed (pip install matplotlib)")
+        return None
+    x_key = "global_step" if rows and "global_step" in rows[0] else "iteration"
+    x = _column(rows, x_key) if rows and x_key in rows[0] else list(range(1, len(rows) + 1))
+    fig, axes = plt.subplots(2, 3, figsize=(13, 6.5))
+    for ax, (key, label) in zip(axes.flat, PANELS):
+        ax.set_title(label, fontsize=10)
+        values = _column(rows, key) if rows and key in rows[0] else []
+        if any(math.isfinite(v) for v in values):
+            ax.plot(x, values, marker="." if len(rows) < 50 else None)
+        else:  # e.g. no episode finished yet
+            note = "not logged" if not values else "no value yet (all nan)"
+            ax.text(0.5, 0.5, note, ha="center", va="center", transform=ax.transAxes, color="grey")
+        ax.set_xlabel(x_key.replace("_", " "), fontsize=8)
+        ax.grid(alpha=0.3)
+    ax = axes.flat[5]
+    ax.set_title("time split per iteration (s)", fontsize=10)
+    bottom = [0.0] * len(rows)
+    for key in [k for k in (rows[0] if rows else {}) if k.startswith("time_")]:
+        values = [0.0 if math.isnan(v) else v for v in _column(rows, key)]
+        ax.bar(range(1, len(rows) + 1), values, bottom=bottom, label=key[5:], width=0.85)
+        bottom = [b + v for b, v in zip(bottom, values)]
+    if any(bottom):
+        ax.legend(fontsize=8)
+    ax.set_xlabel("iteration", fontsize=8)
+    fig.suptitle(title or f"{len(rows)} iterations", fontsize=11)
+    fig.tight_layout()
+    out = Path(path)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(out, dpi=110)
+    plt.close(fig)
+    return out
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """``python -m phyai_gym.curves CSV [--out PNG]``: the plot of a curve CSV."""
+    parser = argparse.ArgumentParser(description="Plot a learning-curve CSV (one row per iteration).")
+    parser.add_argument("csv", help="the curve CSV (e.g. written by examples/ppo_pi05.py)")
+    parser.add_argument("--out", default=None, help="the PNG (default: next to the CSV, same name)")
+    parser.add_argument("--title", default="", help="plot title (default: the number of iterations)")
+    args = parser.parse_args(argv)
+    with open(args.csv, newline="") as handle:
+        rows = list(csv.DictReader(handle))
+    out = plot_curves(rows, args.out or Path(args.csv).with_suffix(".png"), args.title)
+    if out is not None:
+        print(f"plot: {out}")
+    return 0 if out is not None else 1
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,32 @@
+from __future__ import annotations
+
+import importlib.util
+
+import pytest
+
+from phyai_gym.curves import CurveLog, main
+
+
+def test_rows_are_on_disk_before_close_and_the_plot_comes_at_close(tmp_path):
+    log = CurveLog(tmp_path / "curve.csv", total=3)
+    log.log({"iteration": 1, "success_rate": float("nan"), "time_rollout": 1.0})
+    log.log({"iteration": 2, "success_rate": 0.5, "time_rollout": 1.5})
+    assert (tmp_path / "curve.csv").read_text().splitlines()[1:] == ["1,nan,1.0", "2,0.5,1.5"]  # a crash keeps them
+    assert log.progress(2).startswith("iter 2/3 |") and "ETA" in log.progress(2)
+    assert not (tmp_path / "curve.png").exists()
+    files = log.close()
+    plotted = importlib.util.find_spec("matplotlib") is not None
+    assert files == [tmp_path / "curve.csv", *([tmp_path / "curve.png"] if plotted else [])]
+    assert log.close() == files  # written once
+
+
+def test_replot_a_csv(tmp_path, capsys):
+    pytest.importorskip("matplotlib")
+    (tmp_path / "run.csv").write_text("iteration,global_step,approx_kl\n1,10,0.1\n2,20,0.05\n")
+    assert main([str(tmp_path / "run.csv")]) == 0
+    assert capsys.readouterr().out == f"plot: {tmp_path / 'run.png'}\n"
+
+
+def test_total_must_be_positive():
+    with pytest.raises(ValueError, match="CurveLog: total must be >= 1 \\(the planned iterations\\), got 0"):
+        CurveLog(None, total=0)

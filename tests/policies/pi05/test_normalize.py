@@ -85,9 +85,9 @@ def test_identity_and_missing_stats():
     assert torch.equal(Normalizer(None, "quantile").unnormalize(X), X)
     with pytest.raises(ValueError, match=r"lack \['q01', 'q99'\]"):
         Normalizer(NormStats(mean=np.zeros(2), std=np.ones(2)), "quantile")
-    with pytest.raises(ValueError, match="eps_rule must be one of"):
+    with pytest.raises(ValueError, match="eps_rule: expected one of"):
         Normalizer(STATS, "quantile", "numpy")
-    with pytest.raises(ValueError, match="same length"):
+    with pytest.raises(ValueError, match="of one length"):
         NormStats(mean=np.zeros(2), std=np.ones(3))
 
 
@@ -118,7 +118,11 @@ def test_lerobot_files(tmp_path):
         {"registry_name": "rename_observations_processor", "config": {}},
         {
             "registry_name": "normalizer_processor",
-            "config": {"eps": 1e-8, "norm_map": {"VISUAL": "IDENTITY", "STATE": "QUANTILES", "ACTION": "QUANTILES"}},
+            "config": {
+                "eps": 1e-8,
+                "features": {"observation.state": {"type": "STATE", "shape": [4]}},
+                "norm_map": {"VISUAL": "IDENTITY", "STATE": "QUANTILES", "ACTION": "QUANTILES"},
+            },
             "state_file": "policy_preprocessor_step_2_normalizer_processor.safetensors",
         },
     ]

@@ -14,6 +14,7 @@ from typing import Any
 import torch
 
 from policies.base import PolicyOutput, RolloutHeader
+from policies.checks import seed_tensor
 from policies.rng import STREAM_AUX, StreamTable, normal
 
 IdsLike = Sequence[int] | torch.Tensor | None
@@ -106,13 +107,8 @@ class GaussianPolicy:
         n, chunk = batch_size(obs), resolve_chunk("GaussianPolicy.act", action_chunk, self.action_horizon)
         ids, upper = _ids(env_ids, n, self.device)
         if seeds is not None:
-            seed_t = torch.as_tensor(seeds, dtype=torch.int64)
-            if seed_t.ndim != 0 and tuple(seed_t.shape) != (n,):
-                raise ValueError(
-                    f"GaussianPolicy.act: seeds: expected an int or {n} seeds (one per observation row), got shape "
-                    f"{tuple(seed_t.shape)}."
-                )
-            self.streams.set_seeds(ids, seed_t, upper=upper)
+            seed_t = seed_tensor(seeds, n, "GaussianPolicy.act: seeds")  # an int s gives env row i seed s + i
+            self.streams.set_seeds(ids, seed_t.to(self.device), upper=upper)
         stream_seeds, counters = self.streams.take(ids, upper=upper)
         shape = (n, chunk, self.action_dim)
         if deterministic:

@@ -135,39 +135,49 @@ def seed_tensor(seeds: Any, n: int, argument: str = "seeds") -> torch.Tensor:
     """
     expected = _SEEDS_EXPECTED.format(n=n)
     fix = "pass integer seeds, one per observation row (or one int for the whole batch)"
-    if isinstance(seeds, bool | np.bool_) or (
-        not isinstance(seeds, numbers.Integral | Sequence | np.ndarray | torch.Tensor) or isinstance(seeds, str)
-    ):
-        raise TypeError(bad_input(argument, expected, seeds, fix))
-    if isinstance(seeds, numbers.Integral):
+    if isinstance(seeds, torch.Tensor | np.ndarray) and seeds.ndim == 0 and _integer_dtype(seeds):
+        seeds = int(seeds)
+    if isinstance(seeds, numbers.Integral) and not isinstance(seeds, bool | np.bool_):
         base = _int64(argument, int(seeds), expected, fix)
         _int64(argument, base + n - 1, expected, fix)
         return base + torch.arange(n, dtype=torch.int64)
-    if isinstance(seeds, torch.Tensor | np.ndarray):
-        array = seeds
-        integer = (not array.is_floating_point() and not array.is_complex() and array.dtype != torch.bool) if (
-            isinstance(array, torch.Tensor)
-        ) else np.issubdtype(array.dtype, np.integer)
-        if not integer:
-            raise TypeError(bad_input(argument, expected, seeds, fix))
-        if isinstance(array, torch.Tensor) and array.ndim == 0:
-            return seed_tensor(int(array), n, argument)
-        if isinstance(array, np.ndarray) and array.ndim == 0:
-            return seed_tensor(int(array), n, argument)
-        if tuple(array.shape) != (n,):
-            raise ValueError(bad_input(argument, expected, f"shape {tuple(array.shape)}", fix, raw=True))
-        return torch.as_tensor(array).to("cpu", torch.int64)
-    values = list(seeds)
+    return integer_tensor(seeds, n, argument, expected, fix).to("cpu")
+
+
+def integer_tensor(
+    values: Any, n: int, argument: str, expected: str | None = None, fix: str | None = None
+) -> torch.Tensor:
+    """(n,) int64 tensor from n integers (a list, an integer array, or an integer tensor kept on its device).
+
+    Example:
+        >>> integer_tensor([3, 1], 2, "env_ids").tolist()
+        [3, 1]
+    """
+    expected = expected or f"{n} integers (a list, or an integer array or tensor of shape ({n},))"
+    if isinstance(values, torch.Tensor | np.ndarray):
+        if not _integer_dtype(values):
+            raise TypeError(bad_input(argument, expected, values, fix))
+        if tuple(values.shape) != (n,):
+            raise ValueError(bad_input(argument, expected, f"shape {tuple(values.shape)}", fix, raw=True))
+        return torch.as_tensor(values).to(torch.int64)
+    if isinstance(values, str | bytes) or not isinstance(values, Sequence):
+        raise TypeError(bad_input(argument, expected, values, fix))
     for i, value in enumerate(values):
         if isinstance(value, bool | np.bool_) or not isinstance(value, numbers.Integral):
             raise TypeError(bad_input(f"{argument}[{i}]", "an int", value, fix))
         _int64(f"{argument}[{i}]", int(value), "an int64 value", fix)
     if len(values) != n:
         raise ValueError(bad_input(argument, expected, f"shape ({len(values)},)", fix, raw=True))
-    return torch.tensor(values, dtype=torch.int64)
+    return torch.tensor([int(v) for v in values], dtype=torch.int64)
 
 
-def _int64(argument: str, value: int, expected: str, fix: str) -> int:
+def _integer_dtype(array: torch.Tensor | np.ndarray) -> bool:
+    if isinstance(array, torch.Tensor):
+        return not (array.is_floating_point() or array.is_complex() or array.dtype == torch.bool)
+    return bool(np.issubdtype(array.dtype, np.integer))
+
+
+def _int64(argument: str, value: int, expected: str, fix: str | None) -> int:
     if not -(2**63) <= value < 2**63:
         raise ValueError(bad_input(argument, f"{expected} within int64", value, fix))
     return value

@@ -17,6 +17,7 @@ from typing import Any
 import torch
 
 from ..base import PolicyOutput, RolloutHeader
+from ..checks import check_int, integer_tensor, seed_tensor
 from ..rng import StreamTable
 from .attention import AttentionConfig
 from .checkpoint import LoadReport, load_config, load_weights, save_weights
@@ -24,8 +25,9 @@ from .config import Pi05Config
 from .evaluate import EvalOutput, evaluate_rollout
 from .inputs import ModelInputs
 from .model import Pi05Model, randomize_parameters_, torch_dtype
-from .sampler import METHODS, SamplingOptions
+from .sampler import SamplingOptions
 from .scheduler import Pi05Scheduler, SchedulerConfig
+from .settings_checks import check_rollout_fields
 from .weight_sync import WeightSyncMixin
 
 
@@ -54,10 +56,7 @@ class RolloutConfig:
     trainable: str = "expert"
 
     def __post_init__(self) -> None:
-        if self.trainable not in ("expert", "all"):
-            raise ValueError(f"trainable: expected 'expert' or 'all', got {self.trainable!r}.")
-        if self.method not in METHODS:
-            raise ValueError(f"RolloutConfig.method: expected one of {METHODS}, got {self.method!r}.")
+        check_rollout_fields(self)
 
 
 class Pi05Policy(WeightSyncMixin):
@@ -87,7 +86,8 @@ class Pi05Policy(WeightSyncMixin):
         if self.rollout.action_chunk > model.config.action_horizon:
             raise ValueError(
                 f"rollout.action_chunk: expected <= action_horizon ({model.config.action_horizon}), "
-                f"got {self.rollout.action_chunk}."
+                f"got {self.rollout.action_chunk}. Fix: RolloutConfig(action_chunk=C) with C <= "
+                f"{model.config.action_horizon}."
             )
         if scheduler is None:
             scheduler = SchedulerConfig(
@@ -227,8 +227,8 @@ class Pi05Policy(WeightSyncMixin):
         """The per-call options `act()` would use."""
         r = self.rollout
         chunk = r.action_chunk if action_chunk is None else action_chunk
-        if not 1 <= chunk <= self.action_horizon:
-            raise ValueError(f"action_chunk: expected 1..{self.action_horizon} (the model horizon), got {chunk}.")
+        chunk = check_int("action_chunk", chunk, 1, self.action_horizon,
+                          fix=f"pass 1..{self.action_horizon} (the model horizon H) env steps per call")  # fmt: skip
         return SamplingOptions(
             method="ode" if deterministic else r.method,
             num_steps=r.num_steps,
@@ -257,9 +257,7 @@ class Pi05Policy(WeightSyncMixin):
     def _env_ids(self, n: int, env_ids: Sequence[int] | torch.Tensor | None) -> tuple[torch.Tensor, int]:
         if env_ids is None:
             return torch.arange(n, device=self.device), n
-        ids = torch.as_tensor(env_ids, dtype=torch.int64)
-        if ids.ndim != 1 or ids.shape[0] != n:
-            raise ValueError(f"env_ids: expected {n} ids (one per observation row), got shape {tuple(ids.shape)}.")
+        ids = integer_tensor(env_ids, n, "env_ids", f"{n} ids (one per observation row)")
         upper = None
         if ids.device.type == "cpu":  # device ids are not checked: that would sync the host
             if int(ids.min()) < 0:
@@ -274,14 +272,7 @@ class Pi05Policy(WeightSyncMixin):
         stream as it was (C3).
         """
         ids, upper = self._env_ids(n, env_ids)
-        seed_t = None
-        if seeds is not None:
-            seed_t = torch.as_tensor(seeds, dtype=torch.int64)
-            if seed_t.ndim == 0:
-                seed_t = seed_t + torch.arange(n)
-            if seed_t.shape != (n,):
-                raise ValueError(f"seeds: expected an int or {n} seeds, got shape {tuple(seed_t.shape)}.")
-            seed_t = seed_t.to(self.device)
+        seed_t = None if seeds is None else seed_tensor(seeds, n).to(self.device)
         current, counters = self.streams.take(ids, upper, advance=False)
         if seed_t is not None:
             current, counters = seed_t, torch.zeros_like(counters)

@@ -25,6 +25,7 @@ from .inputs import ModelInputs
 from .model import Pi05Model, PrefixCache
 from .rollout import RolloutOutputs, RolloutTables, prefix_values, run_denoise_stage, run_prefix_stage
 from .sampler import NO_NOISE_HEAD, ControlInputs, SamplingOptions, controls, draw_noise
+from .settings_checks import check_scheduler_fields
 
 
 class GraphKeyError(ValueError):
@@ -62,8 +63,7 @@ class SchedulerConfig:
     cuda_graphs: bool = True
 
     def __post_init__(self) -> None:
-        if self.max_batch_size < 1:
-            raise ValueError(f"max_batch_size: expected >= 1, got {self.max_batch_size}.")
+        check_scheduler_fields(self)
         self.batch_buckets = tuple(sorted(set(self.batch_buckets or default_batch_buckets(self.max_batch_size))))
         if self.batch_buckets[-1] != self.max_batch_size:
             raise ValueError(

@@ -152,7 +152,7 @@ POLICY: list[Case] = [
      ("rollout.num_steps", "(5,)", "got 7")),
     ("rollout_method", lambda c: RolloutConfig(method="ddim"), ValueError, ("method", "'sde'", "'ddim'")),
     ("rollout_trainable", lambda c: RolloutConfig(trainable="lora"), ValueError,
-     ("trainable", "'expert' or 'all'", "'lora'")),
+     ("RolloutConfig.trainable", "('expert', 'all')", "'lora'")),
     ("config_type", lambda c: Pi05Config.from_dict({"type": "pi0"}), ValueError, ("'type'", "'pi05'", "'pi0'")),
 ]
 

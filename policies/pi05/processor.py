@@ -256,6 +256,20 @@ def _dtype_name(x: Any) -> str:
     return str(dtype).replace("torch.", "")
 
 
+def _check_rows(rows: dict[str, int]) -> None:
+    """Every key of an observation has the same number of rows N; otherwise name the key(s) that differ."""
+    if len(set(rows.values())) <= 1:
+        return
+    counts = sorted(rows.values(), key=list(rows.values()).count)
+    n = counts[-1]  # the most common row count
+    odd = [k for k, v in rows.items() if v != n]
+    listed = ", ".join(f"{k} {v}" for k, v in rows.items())
+    raise ValueError(
+        bad_input(" and ".join(odd), f"{n} rows like the other keys (one per env)", f"row counts {listed}",
+                  "give every key of obs one row per env (and one task string per env)", raw=True)
+    )  # fmt: skip
+
+
 class Pi05Processor:
     """Turns canonical observations into `ModelInputs` on a device, and model actions into env actions.
 
@@ -395,6 +409,7 @@ class Pi05Processor:
                 f"obs['images']: expected a dict camera -> (N, H, W, 3) uint8, got {type(images).__name__}."
             )
         picked: dict[str, Any] = {}
+        rows = {"obs['task']": n}  # rows per key: every key needs the same N
         for cam in self.cameras:
             if cam not in images:
                 raise ValueError(
@@ -414,10 +429,7 @@ class Pi05Processor:
             if len(shape) != 4 or shape[-1] != 3:
                 hint = " (channel-first? permute to (N, H, W, 3))" if len(shape) == 4 and shape[1] == 3 else ""
                 raise ValueError(f"{key}: expected shape (N, H, W, 3) with 3 RGB channels last, got {shape}{hint}.")
-            if shape[0] != n:
-                raise ValueError(
-                    f"{key}: batch size {shape[0]} disagrees with len(obs['task']) = {n}; every key needs N rows."
-                )
+            rows[key] = shape[0]
             picked[cam] = img
         state = obs.get("state")
         needs_state = self.config.prompt_format == "state"
@@ -427,6 +439,7 @@ class Pi05Processor:
                     "obs['state']: missing; prompt_format='state' puts the state into the prompt. Provide an "
                     "(N, S) float state or use prompt_format='text'."
                 )
+            _check_rows(rows)
             return tasks, picked, None
         if not isinstance(state, np.ndarray | torch.Tensor):
             state = np.asarray(state)
@@ -440,10 +453,8 @@ class Pi05Processor:
             )
         if len(shape) != 2:
             raise ValueError(f"obs['state']: expected shape (N, S), got {shape}.")
-        if shape[0] != n:
-            raise ValueError(
-                f"obs['state']: batch size {shape[0]} disagrees with len(obs['task']) = {n}; every key needs N rows."
-            )
+        rows["obs['state']"] = shape[0]
+        _check_rows(rows)
         width = self.expected_state_dim
         if width is not None and shape[1] != width:
             raise ValueError(
@@ -454,9 +465,14 @@ class Pi05Processor:
         if on_host or self.config.check_finite_on_device:
             finite = np.isfinite(state).all() if isinstance(state, np.ndarray) else bool(torch.isfinite(state).all())
             if not finite:
+                values = state if isinstance(state, np.ndarray) else state.detach().cpu().numpy()
+                row, col = (int(i) for i in np.argwhere(~np.isfinite(values))[0])
+                v = values[row, col]
+                word = "NaN" if np.isnan(v) else ("Inf" if v > 0 else "-Inf")
                 raise ValueError(
-                    "obs['state']: expected finite values, got NaN or Inf; check the simulator state or reset the env."
-                )
+                    bad_input("obs['state']", "finite values", f"{word} at row {row} (env {row}), "
+                              f"column {col}", "check the simulator state of that env or reset it", raw=True)
+                )  # fmt: skip
         return tasks, picked, state
 
     @property

@@ -267,9 +267,9 @@ BAD_INPUTS = [
         "batch images",
         lambda o: o["images"].__setitem__("image", o["images"]["image"][:2]),
         ValueError,
-        ["obs['images']['image']", "batch size 2", "len(obs['task']) = 3"],
+        ["obs['images']['image']", "expected 3 rows", "obs['images']['image'] 2"],
     ),
-    ("batch state", lambda o: o.__setitem__("state", o["state"][:1]), ValueError, ["obs['state']", "batch size 1"]),
+    ("batch state", lambda o: o.__setitem__("state", o["state"][:1]), ValueError, ["obs['state']", "3 rows", "state'] 1"]),
     ("missing state", lambda o: o.pop("state"), ValueError, ["obs['state']", "missing", "prompt_format='text'"]),
     (
         "new task + bad image",

@@ -59,7 +59,10 @@ def _add_eval_parser(subparsers: Any) -> None:
 
 
 def _config(args: argparse.Namespace, **extra: Any) -> RunConfig:
-    return RunConfig(
+    from phyai_gym.make import check_checkpoint
+    from policies.checks import check_device
+
+    config = RunConfig(
         env=args.env,
         num_envs=args.num_envs,
         action_chunk=args.action_chunk,
@@ -73,6 +76,10 @@ def _config(args: argparse.Namespace, **extra: Any) -> RunConfig:
         vectorization=args.vectorization,
         **extra,
     )
+    check_device(args.device, "--device")  # refused here, before any env or model is built
+    if args.checkpoint is not None:
+        check_checkpoint(args.checkpoint, "--checkpoint")
+    return config
 
 
 def _run(args: argparse.Namespace) -> int:
@@ -105,7 +112,7 @@ def _eval(args: argparse.Namespace) -> int:
     check_preset(args.preset)
     sha = "none (random weights)"
     if args.checkpoint is not None:
-        root = check_checkpoint(args.checkpoint)
+        root = check_checkpoint(args.checkpoint, "--checkpoint")
         weights = root / MODEL_FILE if (root / MODEL_FILE).is_file() else sorted(root.glob("*.safetensors"))[0]
         sha = file_sha256(weights)
     cfg = _config(args)

@@ -181,3 +181,28 @@ def _int64(argument: str, value: int, expected: str, fix: str | None) -> int:
     if not -(2**63) <= value < 2**63:
         raise ValueError(bad_input(argument, f"{expected} within int64", value, fix))
     return value
+
+
+def check_device(device: Any, argument: str = "device") -> torch.device:
+    """`device` as a `torch.device` this machine has; CUDA without a usable GPU is refused with the fix.
+
+    Example:
+        >>> check_device("cpu")
+        device(type='cpu')
+    """
+    cpu = f"{argument} cpu" if argument.startswith("--") else f"{argument}='cpu'"
+    try:
+        dev = torch.device(device)
+    except (RuntimeError, TypeError, ValueError) as err:
+        raise ValueError(bad_input(argument, "a torch device such as 'cpu', 'cuda' or 'cuda:1'", device)) from err
+    if dev.type == "cuda":
+        if not torch.cuda.is_available():
+            build = f"CUDA {torch.version.cuda}" if torch.version.cuda else "no CUDA (a CPU-only build)"
+            raise ValueError(bad_input(
+                argument, "a device this machine has", device, f"pass {cpu}: CUDA is not available here (torch "
+                f"{torch.__version__} with {build}, {torch.cuda.device_count()} GPUs visible); for a GPU run use a "
+                "machine with an NVIDIA GPU and a CUDA build of torch"))  # fmt: skip
+        count = torch.cuda.device_count()
+        if dev.index is not None and dev.index >= count:
+            raise ValueError(bad_input(argument, f"cuda:0..cuda:{count - 1} ({count} GPUs visible)", device))
+    return dev

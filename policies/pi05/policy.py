@@ -17,10 +17,10 @@ from typing import Any
 import torch
 
 from ..base import PolicyOutput, RolloutHeader
-from ..checks import check_int, integer_tensor, seed_tensor
+from ..checks import check_device, check_int, integer_tensor, seed_tensor
 from ..rng import StreamTable
 from .attention import AttentionConfig
-from .checkpoint import LoadReport, load_config, load_weights, save_weights
+from .checkpoint import LoadReport, checkpoint_folder, load_config, load_weights, save_weights
 from .config import Pi05Config
 from .evaluate import EvalOutput, evaluate_rollout
 from .inputs import ModelInputs
@@ -145,6 +145,7 @@ class Pi05Policy(WeightSyncMixin):
         """A policy with fresh weights (all randomised with `seed` unless seed is None)."""
         from .processor import Pi05Processor
 
+        check_device(device)
         with torch.device(device):
             model = Pi05Model(config, attention)
         if seed is not None:
@@ -171,6 +172,8 @@ class Pi05Policy(WeightSyncMixin):
         """Load a safetensors checkpoint folder (ours, LeRobot or openpi-PyTorch layout) plus its processor."""
         from .processor import Pi05Processor
 
+        check_device(device)
+        path = checkpoint_folder(path, "path")
         config = load_config(path)
         processor = Pi05Processor.from_pretrained(path, preset=preset, device=device)
         preset_h = getattr(processor, "action_horizon", None)

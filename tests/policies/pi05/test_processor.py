@@ -269,7 +269,7 @@ BAD_INPUTS = [
         ValueError,
         ["obs['images']['image']", "expected 3 rows", "obs['images']['image'] 2"],
     ),
-    ("batch state", lambda o: o.__setitem__("state", o["state"][:1]), ValueError, ["obs['state']", "3 rows", "state'] 1"]),
+    ("batch state", lambda o: o.__setitem__("state", o["state"][:1]), ValueError, ["obs['state']", "3 rows"]),
     ("missing state", lambda o: o.pop("state"), ValueError, ["obs['state']", "missing", "prompt_format='text'"]),
     (
         "new task + bad image",

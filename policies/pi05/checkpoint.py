@@ -138,8 +138,7 @@ def weight_files(path: str | os.PathLike) -> list[Path]:
         index = root / INDEX_FILE
         single = root / WEIGHTS_FILE
         if index.exists():
-            shards = sorted(set(json.loads(index.read_text())["weight_map"].values()))
-            candidates = [root / s for s in shards]
+            candidates = [root / s for s in _index_shards(index)]
         elif single.exists():
             candidates = [single]
         else:
@@ -158,6 +157,24 @@ def weight_files(path: str | os.PathLike) -> list[Path]:
         if not candidate.exists():
             raise CheckpointError(f"checkpoint shard {str(candidate)!r} listed in the index does not exist.")
     return candidates
+
+
+def _index_shards(index: Path) -> list[str]:
+    """The shard file names a ``model.safetensors.index.json`` lists (plain names in the same folder)."""
+    try:
+        data = json.loads(index.read_text())
+    except (json.JSONDecodeError, UnicodeDecodeError) as err:
+        raise CheckpointError(f"{str(index)!r} is not valid JSON ({err}); restore the index file.") from err
+    weight_map = data.get("weight_map") if isinstance(data, dict) else None
+    if not isinstance(weight_map, dict) or not weight_map:
+        raise CheckpointError(bad_input(f"{index}: weight_map", "a non-empty object tensor name -> shard file",
+                                        weight_map))  # fmt: skip
+    shards = sorted(set(weight_map.values()), key=str)
+    for shard in shards:
+        if not isinstance(shard, str) or Path(shard).name != shard or not shard.endswith(".safetensors"):
+            raise CheckpointError(bad_input(f"{index}: weight_map shard", "a .safetensors file name in the same "
+                                            "folder (no directories)", shard))  # fmt: skip
+    return shards
 
 
 def _refuse_pickle(path: Path, argument: str | None = None) -> None:

@@ -26,10 +26,10 @@ def describe(value: Any) -> str:
     if isinstance(value, torch.Tensor | np.ndarray):
         dtype = str(value.dtype).replace("torch.", "")
         return f"{type(value).__name__} of shape {tuple(value.shape)} and dtype {dtype}"
-    if isinstance(value, bool | numbers.Number | str | type(None)) or (
-        isinstance(value, tuple | list) and len(value) <= 8
-    ):
+    if isinstance(value, bool | numbers.Number | str | type(None)):
         return repr(value)
+    if isinstance(value, tuple | list | dict) and len(text := repr(value)) <= 80:
+        return text
     return f"a {type(value).__name__}"
 
 

@@ -95,6 +95,7 @@ def _eval(args: argparse.Namespace) -> int:
     from phyai_gym.evaluation import evaluate_success, file_sha256, format_table, project_commit
     from phyai_gym.make import MODEL_FILE, check_checkpoint, check_preset, resolve_env
     from phyai_gym.run import action_chunk_for, build_env, build_policy
+    from policies.checks import check_int
     from wrappers import PolicyVectorEnv
 
     if args.checkpoint is None and args.policy is None:
@@ -102,10 +103,13 @@ def _eval(args: argparse.Namespace) -> int:
             "eval needs --checkpoint DIR (a PI0.5 checkpoint folder), or --policy tiny|base|gaussian for a "
             "random policy (tests and smoke runs)."
         )
+    check_int("--video", args.video, 0, fix="the number of episodes to film (0: none)")
     if args.video and args.out is None:
         raise ValueError("conflicting options: --video needs --out DIR (the videos are written there).")
     if args.episodes < 1:
         raise ValueError(f"--episodes: expected >= 1, got {args.episodes}.")
+    if args.max_episodes_this_run is not None:
+        check_int("--max-episodes-this-run", args.max_episodes_this_run, 1, fix="or leave it out to run them all")
     kind = resolve_env(args.env).kind
     if args.task_ids is not None and kind != "libero":
         raise ValueError(f"conflicting options: --task-ids applies to LIBERO suites, not --env {args.env!r}.")

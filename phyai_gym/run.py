@@ -16,6 +16,7 @@ import numpy as np
 import torch
 
 from phyai_gym.make import TEST_ENVS, make_env, make_policy, resolve_env, standin_tokenizer
+from policies.checks import check_float, check_int
 
 POLICIES: tuple[str, ...] = ("tiny", "base", "gaussian")
 """Policies without a checkpoint: random PI0.5 geometries and the Gaussian baseline."""
@@ -76,6 +77,10 @@ class RunConfig:
         for name in ("num_envs", "chunks"):
             if getattr(self, name) < 1:
                 raise ValueError(f"--{name.replace('_', '-')}: expected >= 1, got {getattr(self, name)}.")
+        for name in ("action_chunk", "image_size", "max_episode_steps"):
+            if getattr(self, name) is not None:
+                check_int(f"--{name.replace('_', '-')}", getattr(self, name), 1, fix="or leave it out for the default")
+        check_float("--std", self.std, 0.0, exclusive_minimum=True, fix="the Gaussian baseline's standard deviation")
         resolve_env(self.env)  # unknown names fail here, before anything is built
 
 

@@ -17,7 +17,7 @@ from typing import Any
 import torch
 
 from ..base import PolicyOutput, RolloutHeader
-from ..checks import check_device, check_int, integer_tensor, seed_tensor
+from ..checks import check_bool, check_device, check_int, integer_tensor, seed_tensor
 from ..rng import StreamTable
 from .attention import AttentionConfig
 from .checkpoint import LoadReport, checkpoint_folder, load_config, load_weights, save_weights
@@ -229,6 +229,7 @@ class Pi05Policy(WeightSyncMixin):
     def sampling_options(self, deterministic: bool = False, action_chunk: int | None = None) -> SamplingOptions:
         """The per-call options `act()` would use."""
         r = self.rollout
+        check_bool("deterministic", deterministic)  # "no" would silently mean True
         chunk = r.action_chunk if action_chunk is None else action_chunk
         chunk = check_int("action_chunk", chunk, 1, self.action_horizon,
                           fix=f"pass 1..{self.action_horizon} (the model horizon H) env steps per call")  # fmt: skip

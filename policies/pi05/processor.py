@@ -429,6 +429,9 @@ class Pi05Processor:
             if len(shape) != 4 or shape[-1] != 3:
                 hint = " (channel-first? permute to (N, H, W, 3))" if len(shape) == 4 and shape[1] == 3 else ""
                 raise ValueError(f"{key}: expected shape (N, H, W, 3) with 3 RGB channels last, got {shape}{hint}.")
+            if shape[1] < 1 or shape[2] < 1:
+                raise ValueError(bad_input(key, "an image of at least 1 x 1 pixels (N, H, W, 3)", f"shape {shape}",
+                                           "check the camera's render size", raw=True))  # fmt: skip
             rows[key] = shape[0]
             picked[cam] = img
         state = obs.get("state")

@@ -302,6 +302,9 @@ SEEDS: list[Case] = [
     ("too_big", _act(seeds=[2**63, 0]), ValueError, ("seeds[0]", "int64", str(2**63))),
     ("matrix", _act(seeds=np.zeros((2, 1), np.int64)), ValueError, ("seeds", "shape (2,)", "shape (2, 1)")),
     ("env_ids_floats", _act(env_ids=[0.5, 1.0]), TypeError, ("env_ids[0]", "an int", "0.5")),
+    ("deterministic_str", _act(deterministic="no"), TypeError, ("deterministic", "True or False", "'no'")),
+    ("image_zero_height", lambda c: c.policy.act({**make_obs(2), "images": {"image": np.zeros((2, 0, 8, 3), "u1")}}),
+     ValueError, ("obs['images']['image']", "at least 1 x 1 pixels", "(2, 0, 8, 3)")),
     ("chunk_float", _act(action_chunk=2.5), TypeError, ("action_chunk", "integer in [1, 10]", "2.5")),
 ]
 

@@ -4,8 +4,8 @@ Every check raises before anything changes, so a refused call or config leaves n
 small on purpose: configs call them from ``__post_init__``, public methods at their first line.
 
 Example:
-    >>> bad_input("RolloutConfig.noise_level", ">= 0", -0.5, "pass the SDE noise level a, e.g. 0.5")
-    "RolloutConfig.noise_level: expected >= 0, got -0.5. Fix: pass the SDE noise level a, e.g. 0.5."
+    >>> print(bad_input("RolloutConfig.noise_level", ">= 0", -0.5, "pass the SDE noise level a, e.g. 0.5"))
+    RolloutConfig.noise_level: expected >= 0, got -0.5. Fix: pass the SDE noise level a, e.g. 0.5.
     >>> check_int("SchedulerConfig.max_batch_size", 8, minimum=1)
     8
 """

@@ -48,3 +48,25 @@ def test_integer_tensor_keeps_the_device_and_refuses_floats() -> None:
     assert integer_tensor(ids, 2, "env_ids").device == ids.device
     with pytest.raises(TypeError, match=r"env_ids: expected 2 integers"):
         integer_tensor(torch.tensor([0.0, 1.0]), 2, "env_ids")
+
+
+@pytest.mark.cuda
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_check_device_on_a_gpu_machine() -> None:
+    """With CUDA, 'cuda' passes and an index past the visible GPUs is refused naming the range."""
+    from policies.checks import check_device
+
+    assert check_device("cuda").type == "cuda"
+    count = torch.cuda.device_count()
+    with pytest.raises(ValueError, match=rf"device: expected cuda:0..cuda:{count - 1} \({count} GPUs visible\)"):
+        check_device(f"cuda:{count}")
+
+
+def test_check_device_without_cuda_names_the_fix() -> None:
+    from policies.checks import check_device
+
+    if torch.cuda.is_available():
+        pytest.skip("checks the refusal on a machine without CUDA")
+    expected = r"--device: expected a device this machine has, got 'cuda'\. Fix: pass --device cpu"
+    with pytest.raises(ValueError, match=expected):
+        check_device("cuda", "--device")

@@ -12,14 +12,13 @@ import dataclasses
 import json
 from collections.abc import Callable
 from pathlib import Path
-from types import SimpleNamespace
 from typing import Any
 
 import gymnasium as gym
 import numpy as np
 import pytest
 import torch
-from reliability_support import Probe, check_message, make_obs, make_tiny_policy
+from reliability_support import check_message, make_obs, make_tiny_policy, run_case
 from safetensors.torch import load_file, save_file
 
 from phyai_gym import cli
@@ -46,21 +45,11 @@ def _obs(**changes: Any) -> dict[str, Any]:
 
 
 def _run(ctx: Any, fn: Callable[[Any], Any], exc: type[BaseException], needles: tuple[str, ...]) -> None:
-    probe = Probe(ctx.policy)
-    with pytest.raises(exc) as info:
-        fn(ctx)
-    message = ctx.capsys.readouterr().err if isinstance(info.value, SystemExit) else str(info.value)
-    check_message(message, *needles)
-    probe.check()
+    run_case(ctx, fn, exc, needles)
 
 
 def _ids(cases: list[Case]) -> list[Any]:
     return [pytest.param(fn, exc, needles, id=name) for name, fn, exc, needles in cases]
-
-
-@pytest.fixture
-def ctx(policy: Pi05Policy, tokenizer_dir: Path, tmp_path: Path, capsys: pytest.CaptureFixture) -> SimpleNamespace:
-    return SimpleNamespace(policy=policy, tokenizer_dir=tokenizer_dir, tmp=tmp_path, capsys=capsys)
 
 
 # --------------------------------------------------------------------------------------------------- processor

@@ -12,13 +12,12 @@ import json
 import shutil
 from collections.abc import Callable
 from pathlib import Path
-from types import SimpleNamespace
 from typing import Any
 
 import numpy as np
 import pytest
 import torch
-from reliability_support import Probe, check_message, make_obs, make_tiny_policy
+from reliability_support import make_obs, make_tiny_policy, run_case
 from safetensors.numpy import save_file as save_numpy
 from safetensors.torch import load_file, save_file
 
@@ -37,25 +36,10 @@ Case = tuple[str, Callable[[Any], Any], type[BaseException], tuple[str, ...]]
 NO_CUDA = pytest.mark.skipif(torch.cuda.is_available(), reason="checks the refusal on a machine without CUDA")
 
 
-@pytest.fixture
-def ctx(policy: Pi05Policy, tokenizer_dir: Path, tmp_path: Path, capsys: pytest.CaptureFixture) -> SimpleNamespace:
-    return SimpleNamespace(policy=policy, tokenizer_dir=tokenizer_dir, tmp=tmp_path, capsys=capsys)
-
-
 @pytest.fixture(scope="module")
 def saved(policy: Pi05Policy, tmp_path_factory: pytest.TempPathFactory) -> Path:
     """The shared policy written by `save_pretrained`."""
     return policy.save_pretrained(tmp_path_factory.mktemp("issue21_ckpt"))
-
-
-def run_case(ctx: Any, fn: Callable[[Any], Any], exc: type[BaseException], needles: tuple[str, ...]) -> str:
-    probe = Probe(ctx.policy)
-    with pytest.raises(exc) as info:
-        fn(ctx)
-    message = ctx.capsys.readouterr().err if isinstance(info.value, SystemExit) else str(info.value)
-    check_message(message, *needles)
-    probe.check()
-    return message
 
 
 def params(cases: list[Case]) -> list[Any]:

@@ -18,7 +18,7 @@ from typing import Any
 
 from gymnasium.vector import VectorEnv
 
-from policies.checks import check_device
+from policies.checks import bad_input, check_device, check_int
 from policies.pi05.checkpoint import checkpoint_folder, load_config
 from policies.pi05.config import Pi05Config
 from policies.pi05.policy import Pi05Policy, RolloutConfig
@@ -219,6 +219,9 @@ def make_policy(
     """
     check_preset(preset)
     check_device(device, "device")
+    check_int("seed", seed, fix="an integer weight seed")
+    if rollout is not None and not isinstance(rollout, RolloutConfig):
+        raise TypeError(bad_input("rollout", "a RolloutConfig or None", rollout, "RolloutConfig(num_steps=5, ...)"))
     if checkpoint is not None:
         root = check_checkpoint(checkpoint, "checkpoint")
         if cuda_graphs:

@@ -17,7 +17,7 @@ from typing import Any
 import torch
 
 from ..base import PolicyOutput, RolloutHeader
-from ..checks import check_bool, check_device, check_int, integer_tensor, seed_tensor
+from ..checks import bad_input, check_bool, check_device, check_int, integer_tensor, seed_tensor
 from ..rng import StreamTable
 from .attention import AttentionConfig
 from .checkpoint import LoadReport, checkpoint_folder, load_config, load_weights, save_weights
@@ -146,6 +146,12 @@ class Pi05Policy(WeightSyncMixin):
         from .processor import Pi05Processor
 
         check_device(device)
+        if seed is not None:
+            check_int("seed", seed, fix="an integer weight seed, or None to keep the initialisation")
+        for name, value, kind in (("config", config, Pi05Config), ("rollout", rollout, RolloutConfig),
+                                  ("scheduler", scheduler, SchedulerConfig)):  # fmt: skip
+            if value is not None and not isinstance(value, kind):
+                raise TypeError(bad_input(name, f"a {kind.__name__}", value))
         with torch.device(device):
             model = Pi05Model(config, attention)
         if seed is not None:
@@ -173,6 +179,9 @@ class Pi05Policy(WeightSyncMixin):
         from .processor import Pi05Processor
 
         check_device(device)
+        for name, value, kind in (("rollout", rollout, RolloutConfig), ("scheduler", scheduler, SchedulerConfig)):
+            if value is not None and not isinstance(value, kind):
+                raise TypeError(bad_input(name, f"a {kind.__name__} or None", value))
         path = checkpoint_folder(path, "path")
         config = load_config(path)
         processor = Pi05Processor.from_pretrained(path, preset=preset, device=device)

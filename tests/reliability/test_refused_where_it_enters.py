@@ -427,6 +427,11 @@ def test_cuda_refused_up_front(ctx, fn, exc, needles) -> None:
 
 
 OTHER: list[Case] = [
+    ("make_policy_seed_float", lambda c: make_policy(seed=1.5), TypeError, ("seed", "an integer", "1.5")),
+    ("make_policy_rollout_dict", lambda c: make_policy(rollout={"num_steps": 5}), TypeError,
+     ("rollout", "a RolloutConfig or None", "{'num_steps': 5}")),
+    ("from_config_scheduler_dict", lambda c: make_tiny_policy(c.tokenizer_dir, scheduler={"max_batch_size": 2}),
+     TypeError, ("scheduler", "a SchedulerConfig", "{'max_batch_size': 2}")),
     ("device_name", lambda c: make_policy(device="tpu"), ValueError, ("device:", "'cpu', 'cuda'", "'tpu'")),
     ("cli_device_name", _cli("run", "--env", "scripted", "--device", "gpu0"), SystemExit, ("--device:", "'gpu0'")),
     ("cli_hub_id", _cli("run", "--env", "scripted", "--checkpoint", "lerobot/pi05_libero"), SystemExit,

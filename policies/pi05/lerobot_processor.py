@@ -154,6 +154,10 @@ def _normalizer_step(root: Path, name: str, registry_name: str) -> _Step | None:
     features = config.get("features", {})
     if not isinstance(features, dict) or not all(isinstance(v, dict) for v in features.values()):
         raise ValueError(bad_input(f"{path}: features", "an object key -> {type, shape}", features))
+    for key, feature in features.items():
+        if feature.get("type") not in FEATURE_TYPES:
+            raise ValueError(bad_input(f"{path}: features[{key!r}].type", f"one of {FEATURE_TYPES}",
+                                       feature.get("type")))  # fmt: skip
     keys = config.get("normalize_observation_keys")
     if keys is not None and (not isinstance(keys, list) or not all(isinstance(k, str) for k in keys)):
         raise ValueError(bad_input(f"{path}: normalize_observation_keys", "a list of feature keys", keys))

@@ -68,7 +68,10 @@ def _add_eval_parser(subparsers: Any) -> None:
 
 
 def _config(args: argparse.Namespace, **extra: Any) -> RunConfig:
-    return RunConfig(
+    from phyai_gym.make import check_checkpoint
+    from policies.checks import check_device
+
+    config = RunConfig(
         env=args.env,
         num_envs=args.num_envs,
         action_chunk=args.action_chunk,
@@ -83,6 +86,10 @@ def _config(args: argparse.Namespace, **extra: Any) -> RunConfig:
         threads=args.threads,
         **extra,
     )
+    check_device(args.device, "--device")  # refused here, before any env or model is built
+    if args.checkpoint is not None:
+        check_checkpoint(args.checkpoint, "--checkpoint")
+    return config
 
 
 def _run(args: argparse.Namespace) -> int:
@@ -99,6 +106,7 @@ def _eval(args: argparse.Namespace) -> int:
     from phyai_gym.make import MODEL_FILE, check_checkpoint, check_preset, resolve_env
     from phyai_gym.run import action_chunk_for, build_env, build_policy
     from phyai_gym.threads import configure_threads
+    from policies.checks import check_int
     from wrappers import FrameRecorder, PolicyVectorEnv
 
     if args.checkpoint is None and args.policy is None:
@@ -106,17 +114,20 @@ def _eval(args: argparse.Namespace) -> int:
             "eval needs --checkpoint DIR (a PI0.5 checkpoint folder), or --policy tiny|base|gaussian for a "
             "random policy (tests and smoke runs)."
         )
+    check_int("--video", args.video, 0, fix="the number of episodes to film (0: none)")
     if args.video and args.out is None:
         raise ValueError("conflicting options: --video needs --out DIR (the videos are written there).")
     if args.episodes < 1:
         raise ValueError(f"--episodes: expected >= 1, got {args.episodes}.")
+    if args.max_episodes_this_run is not None:
+        check_int("--max-episodes-this-run", args.max_episodes_this_run, 1, fix="or leave it out to run them all")
     kind = resolve_env(args.env).kind
     if args.task_ids is not None and kind != "libero":
         raise ValueError(f"conflicting options: --task-ids applies to LIBERO suites, not --env {args.env!r}.")
     check_preset(args.preset)
     sha = "none (random weights)"
     if args.checkpoint is not None:
-        root = check_checkpoint(args.checkpoint)
+        root = check_checkpoint(args.checkpoint, "--checkpoint")
         weights = root / MODEL_FILE if (root / MODEL_FILE).is_file() else sorted(root.glob("*.safetensors"))[0]
         sha = file_sha256(weights)
     cfg = _config(args)

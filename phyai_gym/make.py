@@ -18,7 +18,8 @@ from typing import Any
 
 from gymnasium.vector import VectorEnv
 
-from policies.pi05.checkpoint import load_config
+from policies.checks import bad_input, check_device, check_int
+from policies.pi05.checkpoint import checkpoint_folder, load_config
 from policies.pi05.config import Pi05Config
 from policies.pi05.policy import Pi05Policy, RolloutConfig
 from policies.pi05.presets import list_presets
@@ -163,21 +164,12 @@ def standin_tokenizer() -> Path:
     return build_standin_tokenizer(default_standin_dir())
 
 
-def check_checkpoint(path: str | Path) -> Path:
-    """The checkpoint folder, or a `FileNotFoundError` saying what is missing and how to get one."""
-    root = Path(path).expanduser()
-    if not root.is_dir():
-        raise FileNotFoundError(
-            f"--checkpoint {str(path)!r}: no such folder. Fix: pass a folder with config.json and "
-            f"{MODEL_FILE} (e.g. one written by Pi05Policy.save_pretrained or a LeRobot/openpi PyTorch export)."
-        )
-    if not (root / MODEL_FILE).is_file() and not any(root.glob("*.safetensors")):
-        raise FileNotFoundError(
-            f"--checkpoint {str(path)!r}: the folder has no {MODEL_FILE} "
-            f"(found {sorted(p.name for p in root.iterdir())[:8]}). "
-            "Fix: point at the folder that holds the safetensors weights."
-        )
-    return root
+def check_checkpoint(path: str | Path, argument: str = "checkpoint") -> Path:
+    """The checkpoint folder, or a `CheckpointError` saying what `path` is instead and how to get a folder.
+
+    `argument` names the value in the message (``"--checkpoint"`` from the command line).
+    """
+    return checkpoint_folder(path, argument)
 
 
 def check_preset(preset: str | None) -> str | None:
@@ -226,8 +218,12 @@ def make_policy(
         (1, 64)
     """
     check_preset(preset)
+    check_device(device, "device")
+    check_int("seed", seed, fix="an integer weight seed")
+    if rollout is not None and not isinstance(rollout, RolloutConfig):
+        raise TypeError(bad_input("rollout", "a RolloutConfig or None", rollout, "RolloutConfig(num_steps=5, ...)"))
     if checkpoint is not None:
-        root = check_checkpoint(checkpoint)
+        root = check_checkpoint(checkpoint, "checkpoint")
         if cuda_graphs:
             return Pi05Policy.from_pretrained(
                 root, preset=preset, device=device, dtype=dtype, max_batch_size=max_batch_size, rollout=rollout

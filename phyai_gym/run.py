@@ -80,7 +80,12 @@ class RunConfig:
             if getattr(self, name) is not None and getattr(self, name) < 1:
                 raise ValueError(f"--{name.replace('_', '-')}: expected >= 1, got {getattr(self, name)}.")
         from phyai_gym.make import resolve_env
+        from policies.checks import check_float, check_int
 
+        for name in ("action_chunk", "image_size", "max_episode_steps"):
+            if getattr(self, name) is not None:
+                check_int(f"--{name.replace('_', '-')}", getattr(self, name), 1, fix="or leave it out for the default")
+        check_float("--std", self.std, 0.0, exclusive_minimum=True, fix="the Gaussian baseline's standard deviation")
         resolve_env(self.env)  # unknown names fail here, before anything is built
 
 

@@ -15,8 +15,12 @@ from typing import Any, Protocol, runtime_checkable
 
 import torch
 
+from policies.checks import bad_input, check_bool, check_choice, check_float, check_int
+
 METHODS = ("ode", "sde", "noise")
 """Rollout methods (DESIGN C4): deterministic Euler, flow-SDE, learned noise head."""
+TRAINABLE = ("expert", "all")
+"""Trainable subsets of a policy."""
 
 
 @dataclass(frozen=True)
@@ -64,16 +68,22 @@ class RolloutConfig:
     weight_version: int = 0
 
     def __post_init__(self) -> None:
-        if self.method not in METHODS:
-            raise ValueError(f"RolloutConfig.method: expected one of {METHODS}, got {self.method!r}.")
-        if self.trainable not in ("expert", "all"):
-            raise ValueError(f"RolloutConfig.trainable: expected 'expert' or 'all', got {self.trainable!r}.")
-        if self.num_steps < 1:
-            raise ValueError(f"RolloutConfig.num_steps: expected >= 1, got {self.num_steps}.")
-        if not 0.0 <= self.noise_level:
-            raise ValueError(f"RolloutConfig.noise_level: expected >= 0, got {self.noise_level}.")
-        if self.ignore_last and self.num_steps < 2 and self.method == "sde" and not self.joint:
-            raise ValueError("RolloutConfig.ignore_last: needs num_steps >= 2 so that a non-last step exists.")
+        name = "RolloutConfig."
+        check_choice(name + "method", self.method, METHODS)
+        check_int(name + "num_steps", self.num_steps, 1, fix="K denoise steps, e.g. 10")
+        check_float(name + "noise_level", self.noise_level, 0.0, fix="the SDE noise level a, e.g. 0.5 (0: no noise)")
+        for flag in ("joint", "shared_j", "ignore_last", "keep_prefix"):
+            check_bool(name + flag, getattr(self, flag))
+        check_int(name + "action_chunk", self.action_chunk, 1, fix="C env steps per call, at most the model horizon H")
+        check_choice(name + "trainable", self.trainable, TRAINABLE)
+        check_int(name + "action_dim", self.action_dim, 0, fix="the env action dims A (0 in a config: the policy's)")
+        check_choice(name + "value_source", self.value_source, ("", "prefix", "suffix", "none"))
+        check_int(name + "weight_version", self.weight_version, 0)
+        if self.ignore_last and self.method == "sde" and not self.joint and self.num_steps < 2:
+            raise ValueError(
+                bad_input(name + "ignore_last", "num_steps >= 2 (a stochastic step other than the last)",
+                          f"num_steps={self.num_steps}", "raise num_steps or set ignore_last=False", raw=True)
+            )  # fmt: skip
 
     @property
     def is_joint(self) -> bool:

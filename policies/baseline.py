@@ -14,6 +14,7 @@ from typing import Any
 import torch
 
 from policies.base import PolicyOutput, RolloutConfig
+from policies.checks import seed_tensor
 from policies.rng import STREAM_AUX, StreamTable, explicit_counters, normal
 
 IdsLike = Sequence[int] | torch.Tensor | None
@@ -114,13 +115,8 @@ class GaussianPolicy:
             stream_seeds = self.streams.take(ids, upper=upper, advance=False)[0]
             return self._draw(n, chunk, deterministic, stream_seeds, explicit)
         if seeds is not None:
-            seed_t = torch.as_tensor(seeds, dtype=torch.int64)
-            if seed_t.ndim != 0 and tuple(seed_t.shape) != (n,):
-                raise ValueError(
-                    f"GaussianPolicy.act: seeds: expected an int or {n} seeds (one per observation row), got shape "
-                    f"{tuple(seed_t.shape)}."
-                )
-            self.streams.set_seeds(ids, seed_t, upper=upper)
+            seed_t = seed_tensor(seeds, n, "GaussianPolicy.act: seeds")  # an int s gives env row i seed s + i
+            self.streams.set_seeds(ids, seed_t.to(self.device), upper=upper)
         stream_seeds, drawn = self.streams.take(ids, upper=upper)
         return self._draw(n, chunk, deterministic, stream_seeds, drawn)
 

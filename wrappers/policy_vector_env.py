@@ -32,6 +32,7 @@ from gymnasium.vector import AutoresetMode, VectorEnv, VectorWrapper
 from gymnasium.vector.utils import batch_space
 
 from policies.base import BatchSizePolicy, Policy, PolicyOutput, StreamPolicy
+from policies.checks import check_int
 from wrappers._chunk import ChunkResult, ChunkRunner, concat, take_rows, to_numpy_tree
 from wrappers.episode_statistics import EpisodeStatistics
 from wrappers.freeze import FREEZABLE_KEY, require_freezable
@@ -167,13 +168,11 @@ class PolicyVectorEnv(VectorWrapper):
 
     def _check_chunk(self, action_chunk: int | None) -> int:
         horizon = int(self.policy.action_horizon)
-        chunk = horizon if action_chunk is None else int(action_chunk)
-        if not 1 <= chunk <= horizon:
-            raise ValueError(
-                f"PolicyVectorEnv: argument `action_chunk` must be in [1, policy.action_horizon={horizon}], "
-                f"got {chunk}. Fix: pass action_chunk<={horizon} or use a policy with a longer horizon."
-            )
-        return chunk
+        fix = f"pass 1 <= action_chunk <= {horizon}, or use a policy with a longer horizon"
+        if action_chunk is None:
+            return horizon
+        return check_int(f"PolicyVectorEnv: argument `action_chunk` (policy.action_horizon={horizon})",
+                         action_chunk, 1, horizon, fix=fix)  # fmt: skip
 
     def _setup_spaces(self, env: VectorEnv) -> None:
         obs_space, act_space = env.single_observation_space, env.single_action_space

@@ -9,6 +9,7 @@ from __future__ import annotations
 import functools
 import json
 import os
+import re
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -17,6 +18,7 @@ import torch
 from safetensors import SafetensorError, safe_open
 from safetensors.torch import save_file
 
+from ..checks import bad_input
 from .config import Pi05Config
 
 # External prefix -> internal prefix. The first match wins; a leading "model." (LeRobot policy) is stripped first.
@@ -38,6 +40,10 @@ RL_HEAD_PREFIXES = ("value_head.", "noise_head.")
 """Parameters absent from SFT checkpoints; initialised and reported as such, not as missing."""
 EXTERNAL_OF_INTERNAL = {internal: external for external, internal in _PREFIXES[::-1]}
 _PICKLE_SUFFIXES = (".bin", ".pt", ".pth", ".ckpt", ".pkl")
+WEIGHTS_FILE = "model.safetensors"
+"""The weights file of a single-file checkpoint."""
+INDEX_FILE = "model.safetensors.index.json"
+"""The index of a sharded checkpoint (``{"weight_map": {key: shard file}}``)."""
 
 
 class CheckpointError(ValueError):
@@ -129,11 +135,10 @@ def weight_files(path: str | os.PathLike) -> list[Path]:
     if root.is_file():
         candidates = [root]
     else:
-        index = root / "model.safetensors.index.json"
-        single = root / "model.safetensors"
+        index = root / INDEX_FILE
+        single = root / WEIGHTS_FILE
         if index.exists():
-            shards = sorted(set(json.loads(index.read_text())["weight_map"].values()))
-            candidates = [root / s for s in shards]
+            candidates = [root / s for s in _index_shards(index)]
         elif single.exists():
             candidates = [single]
         else:
@@ -154,13 +159,76 @@ def weight_files(path: str | os.PathLike) -> list[Path]:
     return candidates
 
 
-def _refuse_pickle(path: Path) -> None:
+def _index_shards(index: Path) -> list[str]:
+    """The shard file names a ``model.safetensors.index.json`` lists (plain names in the same folder)."""
+    try:
+        data = json.loads(index.read_text())
+    except (json.JSONDecodeError, UnicodeDecodeError) as err:
+        raise CheckpointError(f"{str(index)!r} is not valid JSON ({err}); restore the index file.") from err
+    weight_map = data.get("weight_map") if isinstance(data, dict) else None
+    if not isinstance(weight_map, dict) or not weight_map:
+        raise CheckpointError(bad_input(f"{index}: weight_map", "a non-empty object tensor name -> shard file",
+                                        weight_map))  # fmt: skip
+    shards = sorted(set(weight_map.values()), key=str)
+    for shard in shards:
+        if not isinstance(shard, str) or Path(shard).name != shard or not shard.endswith(".safetensors"):
+            raise CheckpointError(bad_input(f"{index}: weight_map shard", "a .safetensors file name in the same "
+                                            "folder (no directories)", shard))  # fmt: skip
+    return shards
+
+
+def _refuse_pickle(path: Path, argument: str | None = None) -> None:
+    where = f"{argument}: " if argument else ""
     raise CheckpointError(
-        f"refusing to load {str(path)!r}: only safetensors checkpoints are read, because pickle-based formats "
-        "(.bin/.pt/.pth) can execute code when loaded. Convert it once in a trusted environment: "
+        f"{where}refusing to load {str(path)!r}: only safetensors checkpoints are read, because pickle-based "
+        "formats (.bin/.pt/.pth) can execute code when loaded. Convert it once in a trusted environment: "
         "python -c \"import torch; from safetensors.torch import save_file; "
         f"save_file(torch.load('{path.name}', weights_only=True), 'model.safetensors')\""
     )
+
+
+def checkpoint_folder(path: str | os.PathLike, argument: str = "path") -> Path:
+    """The checkpoint folder `path` names, or a `CheckpointError` saying what it is instead and the fix.
+
+    Refused: a hub id (never fetched: download it first), a path to a file inside the folder (the folder is
+    expected), a missing folder, a folder with only pickle weights (with the conversion command), a folder
+    without safetensors weights or without config.json. `argument` is how the caller names the value
+    (``"checkpoint"`` in `make_policy`, ``"--checkpoint"`` on the command line).
+
+    Example:
+        >>> checkpoint_folder("lerobot/pi05_libero", "checkpoint")  # doctest: +ELLIPSIS
+        Traceback (most recent call last):
+        ...
+        policies.pi05.checkpoint.CheckpointError: checkpoint: expected a local checkpoint folder, got ...
+    """
+    if not isinstance(path, str | os.PathLike):
+        raise TypeError(bad_input(argument, "a checkpoint folder path (str or Path)", path))
+    root = Path(path).expanduser()
+    text = str(path)
+    layout = f"config.json and {WEIGHTS_FILE} (written by Pi05Policy.save_pretrained, or a LeRobot/openpi export)"
+    if not root.exists():
+        if re.fullmatch(r"[A-Za-z0-9][\w.-]*/[\w.-]+", text) and not text.startswith((".", "~")):
+            got = f"{text!r}, no local folder but a Hugging Face hub id by its look: hub ids are not fetched"
+            fix = f"download it first (huggingface-cli download {text} --local-dir DIR) and pass DIR"
+            raise CheckpointError(bad_input(argument, "a local checkpoint folder", got, fix, raw=True))
+        raise CheckpointError(bad_input(argument, "an existing checkpoint folder", f"{text!r}: no such folder",
+                                        f"pass a folder with {layout}", raw=True))  # fmt: skip
+    if root.is_file():
+        if root.suffix in _PICKLE_SUFFIXES:
+            _refuse_pickle(root, argument)
+        raise CheckpointError(bad_input(argument, "the checkpoint folder, not a file in it", f"the file {text!r}",
+                                        f"pass its folder {str(root.parent)!r}", raw=True))  # fmt: skip
+    has_weights = (root / WEIGHTS_FILE).is_file() or (root / INDEX_FILE).is_file() or any(root.glob("*.safetensors"))
+    if not has_weights:
+        pickled = sorted(p.name for p in root.iterdir() if p.suffix in _PICKLE_SUFFIXES)
+        if pickled:
+            _refuse_pickle(root / pickled[0], argument)
+        got = f"{text!r} with no {WEIGHTS_FILE} (it holds {sorted(p.name for p in root.iterdir())[:8]})"
+        fix = "point at the folder that holds the safetensors weights"
+        raise CheckpointError(bad_input(argument, f"a folder with {WEIGHTS_FILE}", got, fix, raw=True))
+    if not (root / "config.json").is_file():
+        load_config(root)  # raises with the fix
+    return root
 
 
 def iter_tensors(path: str | os.PathLike) -> Iterator[tuple[str, torch.Tensor]]:
@@ -182,18 +250,23 @@ def load_config(path: str | os.PathLike) -> Pi05Config:
     file = Path(path) / "config.json"
     if not file.exists():
         raise CheckpointError(
-            f"checkpoint folder {str(path)!r} has no config.json; write one with Pi05Config.save() "
-            "or pass config= explicitly."
+            f"checkpoint folder {str(path)!r} has no config.json. Fix: copy the checkpoint's config.json into it, "
+            "or write one with Pi05Config.save(folder / 'config.json') (Pi05Config.pi05_base() is the published "
+            "geometry)."
         )
     try:
         data = json.loads(file.read_text())
-    except json.JSONDecodeError as err:
+    except (json.JSONDecodeError, UnicodeDecodeError) as err:
         raise CheckpointError(f"{str(file)!r} is not valid JSON ({err}).") from err
-    if "type" not in data and "paligemma_variant" in data:  # openpi converter's reference-only config
-        return Pi05Config.pi05_base(
-            action_horizon=int(data.get("action_horizon", 50)), action_dim=int(data.get("action_dim", 32))
-        )
-    return Pi05Config.from_dict(data)
+    if not isinstance(data, dict):
+        raise CheckpointError(bad_input(str(file), "a JSON object of Pi05Config fields", data))
+    try:
+        if "type" not in data and "paligemma_variant" in data:  # openpi converter's reference-only config
+            return Pi05Config.pi05_base(action_horizon=data.get("action_horizon", 50),
+                                        action_dim=data.get("action_dim", 32))  # fmt: skip
+        return Pi05Config.from_dict(data)
+    except (TypeError, ValueError) as err:
+        raise type(err)(f"{file}: {err}") from err
 
 
 def load_weights(

@@ -12,8 +12,16 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from ..checks import bad_input, check_bool, check_float, check_int, check_int_tuple
+
 CAMERA_SLOTS: tuple[str, ...] = ("base_0_rgb", "left_wrist_0_rgb", "right_wrist_0_rgb")
 """Model camera slots, in the order their tokens enter the prefix."""
+
+
+def _pair(value: Any) -> tuple[Any, Any]:
+    if isinstance(value, str) or not hasattr(value, "__len__") or len(value) != 2:
+        raise TypeError(bad_input("Pi05Config: noise_std_range", "a pair (s_min, s_max)", value))
+    return tuple(value)
 
 
 @dataclass
@@ -132,17 +140,37 @@ class Pi05Config:
                         f"Pi05Config.{name}: unknown {cls.__name__} fields {unknown}; known fields are {sorted(known)}."
                     )
                 setattr(self, name, cls(**value))
+            elif not isinstance(value, SiglipConfig | GemmaConfig):
+                raise TypeError(bad_input(f"Pi05Config.{name}", "a dict of tower fields or a tower config", value))
             for f in dataclasses.fields(getattr(self, name)):
                 size = getattr(getattr(self, name), f.name)
-                if f.type == "int" and size < 1:
-                    raise ValueError(f"Pi05Config: {name}.{f.name} must be a positive integer, got {size!r}.")
+                if f.type == "int":
+                    check_int(f"Pi05Config: {name}.{f.name}", size, 1)
+                else:
+                    check_float(f"Pi05Config: {name}.{f.name}", size, 0.0, exclusive_minimum=True)
         for attr in ("vocab_size", "action_dim", "action_horizon", "num_steps", "max_token_len"):
-            if getattr(self, attr) < 1:
-                raise ValueError(f"Pi05Config: {attr} must be a positive integer, got {getattr(self, attr)!r}.")
+            check_int(f"Pi05Config: {attr}", getattr(self, attr), 1)
+        for attr in ("min_period", "max_period"):
+            check_float(f"Pi05Config: {attr}", getattr(self, attr), 0.0, exclusive_minimum=True)
+        if self.max_period <= self.min_period:
+            raise ValueError(bad_input("Pi05Config: max_period", f"> min_period ({self.min_period})", self.max_period))
+        for attr in ("value_chunk_only", "noise_head"):
+            check_bool(f"Pi05Config: {attr}", getattr(self, attr))
+        if isinstance(self.camera_slots, str) or not self.camera_slots or not all(
+            isinstance(c, str) and c for c in self.camera_slots
+        ):
+            raise TypeError(bad_input("Pi05Config: camera_slots", "a non-empty tuple of slot names", self.camera_slots))
+        if len(set(self.camera_slots)) != len(self.camera_slots):
+            raise ValueError(bad_input("Pi05Config: camera_slots", "distinct slot names", tuple(self.camera_slots)))
         self.camera_slots = tuple(self.camera_slots)
-        self.value_hidden = tuple(self.value_hidden)
-        self.noise_hidden = tuple(self.noise_hidden)
-        self.noise_std_range = tuple(self.noise_std_range)
+        self.value_hidden = check_int_tuple("Pi05Config: value_hidden", self.value_hidden, 1)
+        self.noise_hidden = check_int_tuple("Pi05Config: noise_hidden", self.noise_hidden, 1)
+        low, high = (check_float(f"Pi05Config: noise_std_range[{i}]", v, 0.0, exclusive_minimum=True)
+                     for i, v in enumerate(_pair(self.noise_std_range)))  # fmt: skip
+        if high < low:
+            raise ValueError(bad_input("Pi05Config: noise_std_range", "(s_min, s_max) with s_min <= s_max",
+                                       tuple(self.noise_std_range)))  # fmt: skip
+        self.noise_std_range = (low, high)
         if self.llm.depth != self.expert.depth:
             raise ValueError(
                 f"Pi05Config: llm.depth ({self.llm.depth}) must equal expert.depth ({self.expert.depth}); "
@@ -237,13 +265,20 @@ class Pi05Config:
                 f"config.json: paligemma_variant/action_expert_variant must be gemma_2b/gemma_300m, got {variants}."
             )
         dtype = data.get("dtype", "bfloat16")
+
+        def integer(key: str, default: int) -> int:
+            return check_int(f"config.json (LeRobot): {key}", data.get(key, default), 1)
+
+        def number(key: str, default: float) -> float:
+            return check_float(f"config.json (LeRobot): {key}", data.get(key, default), 0.0, exclusive_minimum=True)
+
         return cls.pi05_base(
-            action_horizon=int(data.get("chunk_size", 50)),
-            num_steps=int(data.get("num_inference_steps", 10)),
-            max_token_len=int(data.get("tokenizer_max_length", 200)),
-            action_dim=int(data.get("max_action_dim", 32)),
-            min_period=float(data.get("min_period", 4e-3)),
-            max_period=float(data.get("max_period", 4.0)),
+            action_horizon=integer("chunk_size", 50),
+            num_steps=integer("num_inference_steps", 10),
+            max_token_len=integer("tokenizer_max_length", 200),
+            action_dim=integer("max_action_dim", 32),
+            min_period=number("min_period", 4e-3),
+            max_period=number("max_period", 4.0),
             dtype=dtype if dtype in ("bfloat16", "float32") else "bfloat16",
         )
 

@@ -1,21 +1,24 @@
 """State/action normalisation: modes, the three epsilon rules, and reading/writing statistics files.
 
-Modes: ``"identity"``, ``"mean_std"``, ``"quantile"`` (q01/q99 mapped to [-1, 1]). Epsilon rules
-(reference/pi05_model.md section 4.2; the formulas keep each reference's operation order):
+Modes (LeRobot 0.6.1's `NormalizationMode` in our spelling): ``"identity"``, ``"mean_std"``, ``"quantile"``
+(q01/q99 mapped to [-1, 1]), ``"quantile10"`` (q10/q90) and ``"min_max"`` (min/max). Epsilon rules
+(reference/pi05_model.md section 4.2; the formulas keep each reference's operation order), with (lo, hi) the
+mode's pair of statistics:
 
-| rule | quantile | inverse | mean/std | inverse |
+| rule | range modes | inverse | mean/std | inverse |
 |---|---|---|---|---|
-| ``openpi`` | (x-q01)/(q99-q01+1e-6)*2-1 | (y+1)/2*(q99-q01+1e-6)+q01 | (x-mu)/(sd+1e-6) | y*(sd+1e-6)+mu |
-| ``lerobot`` | 2*(x-q01)/d-1, d=q99-q01 or 1e-8 where d==0 | (y+1)*d/2+q01 | (x-mu)/(sd+1e-8) | y*sd+mu |
-| ``phyai`` | (x-q01)/(q99-q01+1e-8)*2-1 | (y+1)/2*(q99-q01+1e-8)+q01 | (x-mu)/(sd+1e-8) | y*(sd+1e-8)+mu |
+| ``openpi`` | (x-lo)/(hi-lo+1e-6)*2-1 | (y+1)/2*(hi-lo+1e-6)+lo | (x-mu)/(sd+1e-6) | y*(sd+1e-6)+mu |
+| ``lerobot`` | 2*(x-lo)/d-1, d=hi-lo (eps if 0) | (y+1)*d/2+lo (min_max (y+1)/2*d+lo) | (x-mu)/(sd+eps) | y*sd+mu |
+| ``phyai`` | (x-lo)/(hi-lo+1e-8)*2-1 | (y+1)/2*(hi-lo+1e-8)+lo | (x-mu)/(sd+1e-8) | y*(sd+1e-8)+mu |
 
+The ``lerobot`` rule's eps is 1e-8 unless the checkpoint's processor JSON says otherwise (``eps=``).
 openpi reads its JSON stats as float64 numpy arrays, so the ``openpi`` rule computes in float64 (then
 returns float32); the others compute in float32. Stats shorter than the vector normalise the first dims and
 leave the rest untouched; longer stats are cut to the vector (openpi's rule). Nothing is clipped.
 
 Statistics files: openpi ``norm_stats.json`` (``{"norm_stats": {"state": {...}, "actions": {...}}}``, at the
 folder root or under ``assets/<asset_id>/``) and LeRobot's ``policy_preprocessor.json`` /
-``policy_postprocessor.json`` with safetensors sidecars keyed ``observation.state.<stat>`` / ``action.<stat>``.
+``policy_postprocessor.json`` with safetensors sidecars (read by `policies.pi05.lerobot_processor`).
 
 Example:
     >>> import torch
@@ -36,15 +39,23 @@ from typing import Any
 import numpy as np
 import torch
 
-NORM_MODES: tuple[str, ...] = ("identity", "mean_std", "quantile")
-"""Supported normalisation modes."""
+from ..checks import bad_input, check_choice, check_float
+
+NORM_MODES: tuple[str, ...] = ("identity", "mean_std", "quantile", "quantile10", "min_max")
+"""Supported normalisation modes (every mode of LeRobot 0.6.1)."""
+MODE_STATS: dict[str, tuple[str, str]] = {
+    "mean_std": ("mean", "std"),
+    "quantile": ("q01", "q99"),
+    "quantile10": ("q10", "q90"),
+    "min_max": ("min", "max"),
+}
+"""The statistics each non-identity mode reads."""
 EPS_RULES: tuple[str, ...] = ("openpi", "lerobot", "phyai")
 """Supported epsilon rules."""
+DEFAULT_EPS: dict[str, float] = {"openpi": 1e-6, "lerobot": 1e-8, "phyai": 1e-8}
+"""Each rule's epsilon."""
 STATS_FILE = "norm_stats.json"
 """File name written by `save_norm_stats` (openpi layout)."""
-
-_LEROBOT_KEYS = {"state": "observation.state", "actions": "action"}
-
 
 @dataclass
 class NormStats:
@@ -64,17 +75,40 @@ class NormStats:
     """1st percentile per dimension."""
     q99: np.ndarray | None = None
     """99th percentile per dimension."""
+    min: np.ndarray | None = None
+    """Minimum per dimension."""
+    max: np.ndarray | None = None
+    """Maximum per dimension."""
+    q10: np.ndarray | None = None
+    """10th percentile per dimension."""
+    q90: np.ndarray | None = None
+    """90th percentile per dimension."""
 
     def __post_init__(self) -> None:
-        widths = set()
+        widths: dict[str, int] = {}
         for f in fields(self):
             value = getattr(self, f.name)
-            if value is not None:
-                value = np.asarray(value, dtype=np.float64).reshape(-1)
-                setattr(self, f.name, value)
-                widths.add(value.shape[0])
-        if len(widths) > 1:
-            raise ValueError(f"NormStats: all statistics must have the same length, got lengths {sorted(widths)}.")
+            if value is None:
+                continue
+            try:
+                value = np.asarray(value, dtype=np.float64)
+            except (TypeError, ValueError) as err:
+                raise ValueError(bad_input(f"NormStats.{f.name}", "a list of numbers", value, raw=False)) from err
+            if value.ndim > 1 and sum(s > 1 for s in value.shape) > 1:
+                raise ValueError(bad_input(f"NormStats.{f.name}", "a vector (one value per dimension)",
+                                           f"shape {value.shape}", raw=True))  # fmt: skip
+            value = value.reshape(-1)
+            if value.size == 0:
+                raise ValueError(bad_input(f"NormStats.{f.name}", "at least one value", "an empty list", raw=True))
+            bad = np.flatnonzero(~np.isfinite(value))
+            if bad.size:
+                raise ValueError(bad_input(
+                    f"NormStats.{f.name}", "finite values", f"{value[bad[0]]} at index {int(bad[0])}", raw=True,
+                    fix="recompute the statistics; a NaN/Inf statistic makes every action NaN"))  # fmt: skip
+            setattr(self, f.name, value)
+            widths[f.name] = value.shape[0]
+        if len(set(widths.values())) > 1:
+            raise ValueError(bad_input("NormStats", "statistics of one length", f"lengths {widths}", raw=True))
 
     def __eq__(self, other: object) -> bool:
         if not isinstance(other, NormStats):
@@ -96,7 +130,7 @@ class NormStats:
 
     def require(self, mode: str, what: str) -> None:
         """Raise if the statistics that `mode` needs are missing."""
-        need = {"mean_std": ("mean", "std"), "quantile": ("q01", "q99")}.get(mode, ())
+        need = MODE_STATS.get(mode, ())
         missing = [k for k in need if getattr(self, k) is None]
         if missing:
             raise ValueError(
@@ -112,14 +146,9 @@ class NormStats:
     def from_dict(cls, data: dict[str, Any]) -> NormStats:
         """Build from a dict with any of mean/std/q01/q99 (extra keys are ignored)."""
         names = {f.name for f in fields(cls)}
-        return cls(**{k: np.asarray(v, dtype=np.float64) for k, v in data.items() if k in names})
+        return cls(**{k: v for k, v in data.items() if k in names})
 
 
-def _check_mode(mode: str, eps_rule: str) -> None:
-    if mode not in NORM_MODES:
-        raise ValueError(f"norm_mode must be one of {NORM_MODES}, got {mode!r}.")
-    if eps_rule not in EPS_RULES:
-        raise ValueError(f"eps_rule must be one of {EPS_RULES}, got {eps_rule!r}.")
 
 
 class Normalizer:
@@ -137,18 +166,21 @@ class Normalizer:
         mode: str = "quantile",
         eps_rule: str = "openpi",
         device: torch.device | str = "cpu",
+        eps: float | None = None,
     ) -> None:
-        _check_mode(mode, eps_rule)
+        check_choice("norm_mode", mode, NORM_MODES)
+        check_choice("eps_rule", eps_rule, EPS_RULES)
         self.mode = mode
         self.eps_rule = eps_rule
+        self.eps = DEFAULT_EPS[eps_rule] if eps is None else check_float("eps", eps, 0.0, exclusive_minimum=True)
+        """The rule's epsilon (1e-6 openpi, 1e-8 otherwise, unless given)."""
         self.stats = stats
         self.device = torch.device(device)
         self._dtype = torch.float64 if eps_rule == "openpi" else torch.float32
         self._t: dict[str, torch.Tensor] = {}
         if mode != "identity" and stats is not None and stats.width:
             stats.require(mode, "normalisation")
-            keys = ("mean", "std") if mode == "mean_std" else ("q01", "q99")
-            for k in keys:
+            for k in MODE_STATS[mode]:
                 self._t[k] = torch.as_tensor(getattr(stats, k), dtype=self._dtype, device=self.device)
 
     @property
@@ -161,28 +193,25 @@ class Normalizer:
             return x if out_dtype is None else x.to(out_dtype)
         k = min(self.width, x.shape[-1])
         head = x[..., :k].to(self._dtype)
-        t = {name: v[:k] for name, v in self._t.items()}
-        rule = self.eps_rule
-        if self.mode == "quantile":
-            q01, q99 = t["q01"], t["q99"]
-            if rule == "lerobot":
-                d = q99 - q01
-                d = torch.where(d == 0, torch.full_like(d, 1e-8), d)
-                y = (head + 1.0) * d / 2.0 + q01 if inverse else 2.0 * (head - q01) / d - 1.0
-            else:
-                eps = 1e-6 if rule == "openpi" else 1e-8
-                y = (
-                    (head + 1.0) / 2.0 * (q99 - q01 + eps) + q01
-                    if inverse
-                    else (head - q01) / (q99 - q01 + eps) * 2.0 - 1.0
-                )
-        else:
-            mean, std = t["mean"], t["std"]
-            eps = 1e-6 if rule == "openpi" else 1e-8
+        lo, hi = (v[:k] for v in self._t.values())  # (mean, std) or the mode's (low, high) pair
+        eps = self.eps
+        if self.mode == "mean_std":
+            mean, std = lo, hi
             if inverse:
-                y = head * std + mean if rule == "lerobot" else head * (std + eps) + mean
+                y = head * std + mean if self.eps_rule == "lerobot" else head * (std + eps) + mean
             else:
                 y = (head - mean) / (std + eps)
+        elif self.eps_rule == "lerobot":
+            d = hi - lo
+            d = torch.where(d == 0, torch.full_like(d, eps), d)
+            if not inverse:
+                y = 2.0 * (head - lo) / d - 1.0
+            elif self.mode == "min_max":  # LeRobot's MIN_MAX inverse has its own operation order
+                y = (head + 1) / 2 * d + lo
+            else:
+                y = (head + 1.0) * d / 2.0 + lo
+        else:
+            y = (head + 1.0) / 2.0 * (hi - lo + eps) + lo if inverse else (head - lo) / (hi - lo + eps) * 2.0 - 1.0
         if k < x.shape[-1]:
             y = torch.cat([y, x[..., k:].to(y.dtype)], dim=-1)
         return y if out_dtype is None else y.to(out_dtype)
@@ -211,7 +240,10 @@ def load_norm_stats(folder: str | Path, asset_id: str | None = None) -> dict[str
     path = find_openpi_stats(root, asset_id)
     if path is not None:
         return read_openpi_stats(path)
-    return read_lerobot_stats(root)
+    from .lerobot_processor import read_lerobot_normalization
+
+    found = read_lerobot_normalization(root)
+    return {} if found is None else found.stats
 
 
 def find_openpi_stats(root: Path, asset_id: str | None = None) -> Path | None:
@@ -232,33 +264,24 @@ def find_openpi_stats(root: Path, asset_id: str | None = None) -> Path | None:
 
 def read_openpi_stats(path: Path) -> dict[str, NormStats]:
     """Parse an openpi ``norm_stats.json``."""
-    data = json.loads(Path(path).read_text())
-    table = data.get("norm_stats", data)
+    try:
+        data = json.loads(Path(path).read_text())
+    except json.JSONDecodeError as err:
+        raise ValueError(f"{path}: not valid JSON ({err}); restore the file from the checkpoint.") from err
+    table = data.get("norm_stats", data) if isinstance(data, dict) else data
     if not isinstance(table, dict):
-        raise ValueError(f"{path}: expected {{'norm_stats': {{'state': ..., 'actions': ...}}}}, got {type(table)}.")
-    return {key: NormStats.from_dict(table[key]) for key in ("state", "actions") if key in table}
+        raise ValueError(bad_input(str(path), "{'norm_stats': {'state': {...}, 'actions': {...}}}", table))
+    return {key: stats_from_dict(table[key], f"{path}: {key}") for key in ("state", "actions") if key in table}
 
 
-def read_lerobot_stats(root: Path) -> dict[str, NormStats]:
-    """Statistics from LeRobot processor JSON files and their safetensors sidecars (empty if none)."""
-    from safetensors.numpy import load_file
-
-    out: dict[str, NormStats] = {}
-    for name in ("policy_preprocessor.json", "policy_postprocessor.json"):
-        path = root / name
-        if not path.is_file():
-            continue
-        steps = json.loads(path.read_text()).get("steps", [])
-        for step in steps:
-            state_file = step.get("state_file")
-            if "normalizer" not in str(step.get("registry_name", "")) or not state_file:
-                continue
-            tensors = load_file(str(root / state_file))
-            for key, prefix in _LEROBOT_KEYS.items():
-                found = {k[len(prefix) + 1 :]: v for k, v in tensors.items() if k.startswith(prefix + ".")}
-                if found and key not in out:
-                    out[key] = NormStats.from_dict(found)
-    return out
+def stats_from_dict(data: Any, where: str) -> NormStats:
+    """`NormStats.from_dict` whose errors start with `where` (file and vector), e.g. ``"norm_stats.json: state"``."""
+    if not isinstance(data, dict):
+        raise ValueError(bad_input(where, "a dict of statistics (mean, std, q01, q99, ...)", data))
+    try:
+        return NormStats.from_dict(data)
+    except ValueError as err:
+        raise ValueError(f"{where} statistics: {err}") from err
 
 
 def save_norm_stats(folder: str | Path, stats: dict[str, NormStats]) -> Path:
@@ -267,15 +290,3 @@ def save_norm_stats(folder: str | Path, stats: dict[str, NormStats]) -> Path:
     payload = {"norm_stats": {key: value.to_dict() for key, value in stats.items()}}
     path.write_text(json.dumps(payload, indent=2) + "\n")
     return path
-
-
-def lerobot_norm_mode(root: Path) -> str | None:
-    """The STATE normalisation mode named in LeRobot's ``policy_preprocessor.json`` (our spelling), or None."""
-    path = Path(root) / "policy_preprocessor.json"
-    if not path.is_file():
-        return None
-    for step in json.loads(path.read_text()).get("steps", []):
-        mode = step.get("config", {}).get("norm_map", {}).get("STATE")
-        if mode is not None:
-            return {"QUANTILES": "quantile", "MEAN_STD": "mean_std", "IDENTITY": "identity"}.get(mode)
-    return None

@@ -18,11 +18,12 @@ from typing import Any
 import torch
 
 from ..base import PolicyOutput, RolloutConfig
+from ..checks import bad_input, check_bool, check_device, check_int, integer_tensor, seed_tensor
 from ..rng import StreamTable, explicit_counters
 from .attention import AttentionConfig
 from .batch import RolloutBatch, StoredPrefix
 from .broadcast import broadcast_weights
-from .checkpoint import LoadReport, load_config, load_weights, save_weights
+from .checkpoint import LoadReport, checkpoint_folder, load_config, load_weights, save_weights
 from .config import Pi05Config
 from .evaluate import EvalOutput, evaluate_rollout
 from .inputs import ModelInputs
@@ -60,7 +61,8 @@ class Pi05Policy:
         if self.rollout.action_chunk > model.config.action_horizon:
             raise ValueError(
                 f"rollout.action_chunk: expected <= action_horizon ({model.config.action_horizon}), "
-                f"got {self.rollout.action_chunk}."
+                f"got {self.rollout.action_chunk}. Fix: RolloutConfig(action_chunk=C) with C <= "
+                f"{model.config.action_horizon}."
             )
         if scheduler is None:
             scheduler = SchedulerConfig(
@@ -118,6 +120,13 @@ class Pi05Policy:
         """A policy with fresh weights (all randomised with `seed` unless seed is None)."""
         from .processor import Pi05Processor
 
+        check_device(device)
+        if seed is not None:
+            check_int("seed", seed, fix="an integer weight seed, or None to keep the initialisation")
+        for name, value, kind in (("config", config, Pi05Config), ("rollout", rollout, RolloutConfig),
+                                  ("scheduler", scheduler, SchedulerConfig)):  # fmt: skip
+            if value is not None and not isinstance(value, kind):
+                raise TypeError(bad_input(name, f"a {kind.__name__}", value))
         with torch.device(device):
             model = Pi05Model(config, attention)
         if seed is not None:
@@ -144,6 +153,11 @@ class Pi05Policy:
         """Load a safetensors checkpoint folder (ours, LeRobot or openpi-PyTorch layout) plus its processor."""
         from .processor import Pi05Processor
 
+        check_device(device)
+        for name, value, kind in (("rollout", rollout, RolloutConfig), ("scheduler", scheduler, SchedulerConfig)):
+            if value is not None and not isinstance(value, kind):
+                raise TypeError(bad_input(name, f"a {kind.__name__} or None", value))
+        path = checkpoint_folder(path, "path")
         config = load_config(path)
         processor = Pi05Processor.from_pretrained(path, preset=preset, device=device)
         preset_h = getattr(processor, "action_horizon", None)
@@ -199,9 +213,10 @@ class Pi05Policy:
     def sampling_options(self, deterministic: bool = False, action_chunk: int | None = None) -> RolloutConfig:
         """The per-call options `act()` would use: the settings with the call's method, C and A."""
         r = self.rollout
+        check_bool("deterministic", deterministic)  # "no" would silently mean True
         chunk = r.action_chunk if action_chunk is None else action_chunk
-        if not 1 <= chunk <= self.action_horizon:
-            raise ValueError(f"action_chunk: expected 1..{self.action_horizon} (the model horizon), got {chunk}.")
+        chunk = check_int("action_chunk", chunk, 1, self.action_horizon,
+                          fix=f"pass 1..{self.action_horizon} (the model horizon H) env steps per call")  # fmt: skip
         return replace(r, method="ode" if deterministic else r.method, action_chunk=chunk, action_dim=self.action_dim)
 
     @property
@@ -217,9 +232,7 @@ class Pi05Policy:
     def _env_ids(self, n: int, env_ids: Sequence[int] | torch.Tensor | None) -> tuple[torch.Tensor, int]:
         if env_ids is None:
             return torch.arange(n, device=self.device), n
-        ids = torch.as_tensor(env_ids, dtype=torch.int64)
-        if ids.ndim != 1 or ids.shape[0] != n:
-            raise ValueError(f"env_ids: expected {n} ids (one per observation row), got shape {tuple(ids.shape)}.")
+        ids = integer_tensor(env_ids, n, "env_ids", f"{n} ids (one per observation row)")
         upper = None
         if ids.device.type == "cpu":  # device ids are not checked: that would sync the host
             if int(ids.min()) < 0:
@@ -238,14 +251,7 @@ class Pi05Policy:
         if counters is not None:
             explicit = explicit_counters("Pi05Policy.act", counters, n, self.device, seeds)
             return self.streams.take(ids, upper, advance=False)[0], explicit, lambda: None
-        seed_t = None
-        if seeds is not None:
-            seed_t = torch.as_tensor(seeds, dtype=torch.int64)
-            if seed_t.ndim == 0:
-                seed_t = seed_t + torch.arange(n)
-            if seed_t.shape != (n,):
-                raise ValueError(f"seeds: expected an int or {n} seeds, got shape {tuple(seed_t.shape)}.")
-            seed_t = seed_t.to(self.device)
+        seed_t = None if seeds is None else seed_tensor(seeds, n).to(self.device)
         current, counters = self.streams.take(ids, upper, advance=False)
         if seed_t is not None:
             current, counters = seed_t, torch.zeros_like(counters)

@@ -22,18 +22,22 @@ from typing import Any
 import numpy as np
 import torch
 
+from policies.checks import bad_input, check_bool, check_choice, check_float, check_int, check_int_tuple
 from policies.pi05.config import CAMERA_SLOTS, Pi05Config
 from policies.pi05.image_ops import RESIZE_MODES, resize_cameras
 from policies.pi05.inputs import ModelInputs
+from policies.pi05.lerobot_processor import read_lerobot_normalization
 from policies.pi05.normalize import (
     EPS_RULES,
     NORM_MODES,
     STATS_FILE,
     Normalizer,
     NormStats,
-    lerobot_norm_mode,
+    find_openpi_stats,
     load_norm_stats,
+    read_openpi_stats,
     save_norm_stats,
+    stats_from_dict,
 )
 from policies.pi05.presets import Preset, get_preset, infer_preset
 from policies.pi05.prompt import DEFAULT_BUCKETS, PROMPT_FORMATS, PromptBuilder, capped_buckets, clean_task
@@ -84,9 +88,13 @@ class ProcessorConfig:
     prompt_buckets: tuple[int, ...] = DEFAULT_BUCKETS
     """Prompt lengths L a call may return (capped at max_token_len)."""
     norm_mode: str = "quantile"
-    """``"identity"``, ``"mean_std"`` or ``"quantile"`` for state and actions."""
+    """State mode (and the action mode unless `action_norm_mode` is set): one of `NORM_MODES`."""
+    action_norm_mode: str | None = None
+    """Action mode when it differs from the state's (LeRobot sets each feature type apart); None: `norm_mode`."""
     eps_rule: str = "openpi"
-    """``"openpi"`` (+1e-6), ``"lerobot"`` (1e-8 only where q99 == q01) or ``"phyai"`` (+1e-8)."""
+    """``"openpi"`` (+1e-6), ``"lerobot"`` (eps only where the range is 0) or ``"phyai"`` (+1e-8)."""
+    norm_eps: float | None = None
+    """Epsilon of the rule (None: the rule's own, 1e-6 openpi / 1e-8 otherwise); LeRobot files carry theirs."""
     state_stats: NormStats | None = None
     """Statistics of the env state (None: the state is used as is)."""
     action_stats: NormStats | None = None
@@ -119,13 +127,20 @@ class ProcessorConfig:
     """Name of the preset this config came from (informational; used to infer it on reload)."""
 
     def __post_init__(self) -> None:
+        name = "ProcessorConfig"
+        if not isinstance(self.camera_map, Mapping):
+            raise TypeError(bad_input(f"{name}.camera_map", "a dict env camera -> model slot", self.camera_map))
         self.camera_map = {str(k): str(v) for k, v in dict(self.camera_map).items()}
+        if isinstance(self.camera_slots, str) or not all(isinstance(c, str) for c in self.camera_slots):
+            raise TypeError(bad_input(f"{name}.camera_slots", "a sequence of slot names", self.camera_slots))
         self.camera_slots = tuple(self.camera_slots)
-        self.prompt_buckets = tuple(int(b) for b in self.prompt_buckets)
-        for name in _STATS_FIELDS:
-            value = getattr(self, name)
+        self.prompt_buckets = check_int_tuple(f"{name}.prompt_buckets", self.prompt_buckets, minimum=1)
+        for key in _STATS_FIELDS:
+            value = getattr(self, key)
             if isinstance(value, Mapping):
-                setattr(self, name, NormStats.from_dict(dict(value)))
+                setattr(self, key, stats_from_dict(dict(value), f"{name}.{key}"))
+            elif value is not None and not isinstance(value, NormStats):
+                raise TypeError(bad_input(f"{name}.{key}", "NormStats, a dict of statistics or None", value))
         choices = {
             "resize_mode": RESIZE_MODES,
             "prompt_format": PROMPT_FORMATS,
@@ -134,8 +149,29 @@ class ProcessorConfig:
             "gripper_map": GRIPPER_MAPS,
         }
         for key, allowed in choices.items():
-            if getattr(self, key) not in allowed:
-                raise ValueError(f"ProcessorConfig.{key}: expected one of {allowed}, got {getattr(self, key)!r}.")
+            check_choice(f"{name}.{key}", getattr(self, key), allowed)
+        if self.action_norm_mode is not None:
+            check_choice(f"{name}.action_norm_mode", self.action_norm_mode, NORM_MODES, "or None for norm_mode's")
+        if self.norm_eps is not None:
+            self.norm_eps = check_float(f"{name}.norm_eps", self.norm_eps, 0.0, exclusive_minimum=True)
+        for key in ("rotate180", "hflip", "check_finite_on_device"):
+            setattr(self, key, check_bool(f"{name}.{key}", getattr(self, key)))
+        self.image_size = check_int(f"{name}.image_size", self.image_size, 1)
+        self.max_token_len = check_int(f"{name}.max_token_len", self.max_token_len, 2)
+        self.vocab_size = check_int(f"{name}.vocab_size", self.vocab_size, 1)
+        self.model_action_dim = check_int(f"{name}.model_action_dim", self.model_action_dim, 1)
+        fix = f"keep 1..model_action_dim ({self.model_action_dim}) env action dims"
+        self.action_dim = check_int(f"{name}.action_dim", self.action_dim, 1, self.model_action_dim, fix=fix)
+        self.gripper_index = check_int(f"{name}.gripper_index", self.gripper_index, -self.action_dim,
+                                       self.action_dim - 1)  # fmt: skip
+        self.gripper_threshold = check_float(f"{name}.gripper_threshold", self.gripper_threshold)
+        for key in ("state_dim", "action_horizon", "action_chunk", "num_steps"):
+            if getattr(self, key) is not None:
+                setattr(self, key, check_int(f"{name}.{key}", getattr(self, key), 1, fix="or None"))
+        if not isinstance(self.tokenizer, str) or not self.tokenizer:
+            raise TypeError(bad_input(f"{name}.tokenizer", "a tokenizer hub id or folder (str)", self.tokenizer))
+        if not isinstance(self.preset, str | None):
+            raise TypeError(bad_input(f"{name}.preset", "a preset name or None", self.preset))
         if not self.camera_map:
             raise ValueError("ProcessorConfig.camera_map: expected at least one camera -> slot entry, got {}.")
         unknown = sorted(set(self.camera_map.values()) - set(self.camera_slots))
@@ -149,16 +185,6 @@ class ProcessorConfig:
                 f"ProcessorConfig.camera_map: two cameras map to the same slot in {self.camera_map}; "
                 "each slot takes one camera."
             )
-        if self.image_size < 1 or self.max_token_len < 2:
-            raise ValueError(
-                f"ProcessorConfig: image_size must be >= 1 and max_token_len >= 2, got {self.image_size} and "
-                f"{self.max_token_len}."
-            )
-        if not 1 <= self.action_dim <= self.model_action_dim:
-            raise ValueError(
-                f"ProcessorConfig.action_dim: expected 1..model_action_dim ({self.model_action_dim}), got "
-                f"{self.action_dim}."
-            )
         capped_buckets(self.prompt_buckets, self.max_token_len)
         if self.state_stats is not None and self.norm_mode != "identity":
             self.state_stats.require(self.norm_mode, "state")
@@ -167,8 +193,13 @@ class ProcessorConfig:
                     f"ProcessorConfig: state_stats cover {self.state_stats.width} dims but state_dim is "
                     f"{self.state_dim}; give matching statistics or state_dim=None."
                 )
-        if self.action_stats is not None and self.norm_mode != "identity":
-            self.action_stats.require(self.norm_mode, "action")
+        if self.action_stats is not None and self.action_mode != "identity":
+            self.action_stats.require(self.action_mode, "action")
+
+    @property
+    def action_mode(self) -> str:
+        """The mode the actions are un-normalised with (`action_norm_mode`, else `norm_mode`)."""
+        return self.action_norm_mode or self.norm_mode
 
     # ------------------------------------------------------------------------------------- serialising
     def to_dict(self) -> dict[str, Any]:
@@ -187,7 +218,10 @@ class ProcessorConfig:
         known = {f.name for f in fields(cls)}
         unknown = sorted(set(data) - known)
         if unknown:
-            raise ValueError(f"{CONFIG_FILE}: unknown ProcessorConfig keys {unknown}; known keys are {sorted(known)}.")
+            raise ValueError(
+                bad_input("ProcessorConfig", f"field names {sorted(known)}", f"unknown ProcessorConfig keys {unknown}",
+                          f"remove them from {CONFIG_FILE} (or save the processor again)", raw=True)
+            )  # fmt: skip
         return cls(**dict(data), **stats)
 
     @classmethod
@@ -220,6 +254,20 @@ def _shape(x: Any) -> tuple[int, ...]:
 def _dtype_name(x: Any) -> str:
     dtype = getattr(x, "dtype", type(x).__name__)
     return str(dtype).replace("torch.", "")
+
+
+def _check_rows(rows: dict[str, int]) -> None:
+    """Every key of an observation has the same number of rows N; otherwise name the key(s) that differ."""
+    if len(set(rows.values())) <= 1:
+        return
+    counts = sorted(rows.values(), key=list(rows.values()).count)
+    n = counts[-1]  # the most common row count
+    odd = [k for k, v in rows.items() if v != n]
+    listed = ", ".join(f"{k} {v}" for k, v in rows.items())
+    raise ValueError(
+        bad_input(" and ".join(odd), f"{n} rows like the other keys (one per env)", f"row counts {listed}",
+                  "give every key of obs one row per env (and one task string per env)", raw=True)
+    )  # fmt: skip
 
 
 class Pi05Processor:
@@ -256,8 +304,9 @@ class Pi05Processor:
         """Model slot index of each used camera, in slot order."""
         self.cameras: tuple[str, ...] = tuple(cam for _, cam in used)
         """Env camera names in the order of `slots`."""
-        self.state_normalizer = Normalizer(config.state_stats, config.norm_mode, config.eps_rule, self.device)
-        self.action_normalizer = Normalizer(config.action_stats, config.norm_mode, config.eps_rule, self.device)
+        rule, eps = config.eps_rule, config.norm_eps
+        self.state_normalizer = Normalizer(config.state_stats, config.norm_mode, rule, self.device, eps)
+        self.action_normalizer = Normalizer(config.action_stats, config.action_mode, rule, self.device, eps)
         self.prompt = PromptBuilder(
             self.tokenizer, config.prompt_format, config.max_token_len, config.prompt_buckets, self.device
         )
@@ -360,6 +409,7 @@ class Pi05Processor:
                 f"obs['images']: expected a dict camera -> (N, H, W, 3) uint8, got {type(images).__name__}."
             )
         picked: dict[str, Any] = {}
+        rows = {"obs['task']": n}  # rows per key: every key needs the same N
         for cam in self.cameras:
             if cam not in images:
                 raise ValueError(
@@ -379,10 +429,10 @@ class Pi05Processor:
             if len(shape) != 4 or shape[-1] != 3:
                 hint = " (channel-first? permute to (N, H, W, 3))" if len(shape) == 4 and shape[1] == 3 else ""
                 raise ValueError(f"{key}: expected shape (N, H, W, 3) with 3 RGB channels last, got {shape}{hint}.")
-            if shape[0] != n:
-                raise ValueError(
-                    f"{key}: batch size {shape[0]} disagrees with len(obs['task']) = {n}; every key needs N rows."
-                )
+            if shape[1] < 1 or shape[2] < 1:
+                raise ValueError(bad_input(key, "an image of at least 1 x 1 pixels (N, H, W, 3)", f"shape {shape}",
+                                           "check the camera's render size", raw=True))  # fmt: skip
+            rows[key] = shape[0]
             picked[cam] = img
         state = obs.get("state")
         needs_state = self.config.prompt_format == "state"
@@ -392,6 +442,7 @@ class Pi05Processor:
                     "obs['state']: missing; prompt_format='state' puts the state into the prompt. Provide an "
                     "(N, S) float state or use prompt_format='text'."
                 )
+            _check_rows(rows)
             return tasks, picked, None
         if not isinstance(state, np.ndarray | torch.Tensor):
             state = np.asarray(state)
@@ -405,10 +456,8 @@ class Pi05Processor:
             )
         if len(shape) != 2:
             raise ValueError(f"obs['state']: expected shape (N, S), got {shape}.")
-        if shape[0] != n:
-            raise ValueError(
-                f"obs['state']: batch size {shape[0]} disagrees with len(obs['task']) = {n}; every key needs N rows."
-            )
+        rows["obs['state']"] = shape[0]
+        _check_rows(rows)
         width = self.expected_state_dim
         if width is not None and shape[1] != width:
             raise ValueError(
@@ -419,9 +468,14 @@ class Pi05Processor:
         if on_host or self.config.check_finite_on_device:
             finite = np.isfinite(state).all() if isinstance(state, np.ndarray) else bool(torch.isfinite(state).all())
             if not finite:
+                values = state if isinstance(state, np.ndarray) else state.detach().cpu().numpy()
+                row, col = (int(i) for i in np.argwhere(~np.isfinite(values))[0])
+                v = values[row, col]
+                word = "NaN" if np.isnan(v) else ("Inf" if v > 0 else "-Inf")
                 raise ValueError(
-                    "obs['state']: expected finite values, got NaN or Inf; check the simulator state or reset the env."
-                )
+                    bad_input("obs['state']", "finite values", f"{word} at row {row} (env {row}), "
+                              f"column {col}", "check the simulator state of that env or reset it", raw=True)
+                )  # fmt: skip
         return tasks, picked, state
 
     @property
@@ -536,15 +590,27 @@ class Pi05Processor:
         saved = root / CONFIG_FILE
         if saved.is_file() and preset is None:
             stats = load_norm_stats(root)
-            data = json.loads(saved.read_text())
-            config = ProcessorConfig.from_dict(data, state_stats=stats.get("state"), action_stats=stats.get("actions"))
+            try:
+                data = json.loads(saved.read_text())
+            except json.JSONDecodeError as err:
+                raise ValueError(f"{saved}: not valid JSON ({err}); save the processor again.") from err
+            if not isinstance(data, dict):
+                raise ValueError(bad_input(str(saved), "an object of ProcessorConfig fields", data))
+            try:
+                config = ProcessorConfig.from_dict(
+                    data, state_stats=stats.get("state"), action_stats=stats.get("actions")
+                )
+            except (TypeError, ValueError) as err:
+                raise type(err)(f"{saved}: {err}") from err
         else:
             chosen = get_preset(preset) if preset is not None else infer_preset(root)
-            stats = load_norm_stats(root, asset_id=asset_id)
+            openpi = find_openpi_stats(root, asset_id)
+            lerobot = None if openpi else read_lerobot_normalization(root)
+            stats = read_openpi_stats(openpi) if openpi else ({} if lerobot is None else lerobot.stats)
             extra: dict[str, Any] = {}
-            mode = lerobot_norm_mode(root)
-            if mode is not None:
-                extra["norm_mode"] = mode
+            if lerobot is not None:  # LeRobot's normaliser, per feature, with its formulas and epsilon
+                extra.update(norm_mode=lerobot.state_mode, action_norm_mode=lerobot.action_mode,
+                             eps_rule="lerobot", norm_eps=lerobot.eps)  # fmt: skip
             config = ProcessorConfig.from_preset(
                 chosen, state_stats=stats.get("state"), action_stats=stats.get("actions"), **extra
             )

@@ -22,6 +22,7 @@ from dataclasses import dataclass, field
 import torch
 
 from ..base import RolloutConfig
+from ..checks import bad_input, check_bool, check_int, check_int_tuple
 from .batch import StoredPrefix
 from .inputs import ModelInputs
 from .model import Pi05Model, PrefixCache
@@ -42,6 +43,30 @@ def default_batch_buckets(max_batch_size: int) -> tuple[int, ...]:
     """1, 2, 4, ... up to max_batch_size (max_batch_size itself always included)."""
     buckets = [b for b in (1, 2, 4, 8, 16, 32, 64, 128, 256, 512) if b < max_batch_size]
     return (*buckets, max_batch_size)
+
+
+def check_scheduler_fields(cfg: SchedulerConfig) -> None:
+    """Refuse bad scheduler settings: sizes, buckets, declared K values, camera sets, the graph switch."""
+    owner = type(cfg).__name__
+    check_int(f"{owner}.max_batch_size", cfg.max_batch_size, 1, fix="the largest batch one replay serves, e.g. 64")
+    if cfg.batch_buckets is not None:
+        buckets = check_int_tuple(f"{owner}.batch_buckets", cfg.batch_buckets, 1)
+        if max(buckets) > cfg.max_batch_size:
+            raise ValueError(
+                bad_input(f"{owner}.batch_buckets", f"sizes <= max_batch_size ({cfg.max_batch_size})", buckets,
+                          "raise max_batch_size or drop the larger buckets")
+            )  # fmt: skip
+    check_int_tuple(f"{owner}.prompt_buckets", cfg.prompt_buckets, 1, fix="prompt lengths L, e.g. (16, 48, 112, 200)")
+    check_int_tuple(f"{owner}.num_steps", cfg.num_steps, 1, fix="the K values act() may use, e.g. (10,)")
+    sets = cfg.camera_sets
+    if isinstance(sets, str) or not isinstance(sets, Sequence) or not sets:
+        raise TypeError(bad_input(f"{owner}.camera_sets", "a non-empty tuple of slot-index tuples, e.g. ((0, 1),)",
+                                  sets))  # fmt: skip
+    for i, cams in enumerate(sets):
+        slots = check_int_tuple(f"{owner}.camera_sets[{i}]", cams, 0, fix="slot indices, e.g. (0, 1)")
+        if len(set(slots)) != len(slots):
+            raise ValueError(bad_input(f"{owner}.camera_sets[{i}]", "distinct slot indices", slots))
+    check_bool(f"{owner}.cuda_graphs", cfg.cuda_graphs)
 
 
 @dataclass
@@ -65,8 +90,7 @@ class SchedulerConfig:
     cuda_graphs: bool = True
 
     def __post_init__(self) -> None:
-        if self.max_batch_size < 1:
-            raise ValueError(f"max_batch_size: expected >= 1, got {self.max_batch_size}.")
+        check_scheduler_fields(self)
         self.batch_buckets = tuple(sorted(set(self.batch_buckets or default_batch_buckets(self.max_batch_size))))
         if self.batch_buckets[-1] != self.max_batch_size:
             raise ValueError(

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 from reliability_support import Probe, make_tiny_policy
@@ -26,3 +27,9 @@ def policy(tokenizer_dir: Path) -> Pi05Policy:
 @pytest.fixture
 def probe(policy: Pi05Policy) -> Probe:
     return Probe(policy)
+
+
+@pytest.fixture
+def ctx(policy: Pi05Policy, tokenizer_dir: Path, tmp_path: Path, capsys: pytest.CaptureFixture) -> SimpleNamespace:
+    """What a bad-input case needs: the shared policy, the tokenizer folder, a scratch folder, captured output."""
+    return SimpleNamespace(policy=policy, tokenizer_dir=tokenizer_dir, tmp=tmp_path, capsys=capsys)

@@ -5,10 +5,12 @@ refused call left the policy exactly as it was (outputs, weight version, random 
 from __future__ import annotations
 
 import warnings
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 import numpy as np
+import pytest
 import torch
 
 from policies.pi05.config import Pi05Config
@@ -89,3 +91,17 @@ def check_message(message: str, *needles: str) -> None:
     """Every needle (argument name, expected value, received value) must appear in the error message."""
     missing = [n for n in needles if n not in message]
     assert not missing, f"message lacks {missing}: {message}"
+
+
+def run_case(ctx: Any, fn: Callable[[Any], Any], exc: type[BaseException], needles: tuple[str, ...]) -> str:
+    """Run a bad call between a reference act() and its repeat; check its error words; return the message.
+
+    `ctx` carries `policy` and `capsys` (CLI errors are read from stderr).
+    """
+    probe = Probe(ctx.policy)
+    with pytest.raises(exc) as info:
+        fn(ctx)
+    message = ctx.capsys.readouterr().err if isinstance(info.value, SystemExit) else str(info.value)
+    check_message(message, *needles)
+    probe.check()
+    return message

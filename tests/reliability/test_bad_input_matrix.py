@@ -12,14 +12,13 @@ import dataclasses
 import json
 from collections.abc import Callable
 from pathlib import Path
-from types import SimpleNamespace
 from typing import Any
 
 import gymnasium as gym
 import numpy as np
 import pytest
 import torch
-from reliability_support import Probe, check_message, make_obs, make_tiny_policy
+from reliability_support import check_message, make_obs, make_tiny_policy, run_case
 from safetensors.torch import load_file, save_file
 
 from phyai_gym import cli
@@ -46,21 +45,11 @@ def _obs(**changes: Any) -> dict[str, Any]:
 
 
 def _run(ctx: Any, fn: Callable[[Any], Any], exc: type[BaseException], needles: tuple[str, ...]) -> None:
-    probe = Probe(ctx.policy)
-    with pytest.raises(exc) as info:
-        fn(ctx)
-    message = ctx.capsys.readouterr().err if isinstance(info.value, SystemExit) else str(info.value)
-    check_message(message, *needles)
-    probe.check()
+    run_case(ctx, fn, exc, needles)
 
 
 def _ids(cases: list[Case]) -> list[Any]:
     return [pytest.param(fn, exc, needles, id=name) for name, fn, exc, needles in cases]
-
-
-@pytest.fixture
-def ctx(policy: Pi05Policy, tokenizer_dir: Path, tmp_path: Path, capsys: pytest.CaptureFixture) -> SimpleNamespace:
-    return SimpleNamespace(policy=policy, tokenizer_dir=tokenizer_dir, tmp=tmp_path, capsys=capsys)
 
 
 # --------------------------------------------------------------------------------------------------- processor
@@ -72,11 +61,11 @@ PROCESSOR: list[Case] = [
     ("missing_camera", lambda c: c.policy.act(_obs(images={"wrist": np.zeros((2, 8, 8, 3), np.uint8)})), ValueError,
      ("obs['images']", "'image'", "['wrist']")),
     ("state_rows", lambda c: c.policy.act(_obs(state=np.zeros((3, 4), np.float32))), ValueError,
-     ("obs['state']", "batch size 3", "len(obs['task']) = 2")),
+     ("obs['state']", "expected 2 rows", "obs['state'] 3")),
     ("state_width", lambda c: c.policy.act(_obs(state=np.zeros((2, 5), np.float32))), ValueError,
      ("obs['state']", "expected width 4", "got 5")),
     ("state_nan", lambda c: c.policy.act(_obs(state=np.full((2, 4), np.nan, np.float32))), ValueError,
-     ("obs['state']", "expected finite", "NaN")),
+     ("obs['state']", "expected finite", "NaN at row 0 (env 0), column 0")),
     ("state_int", lambda c: c.policy.act(_obs(state=np.zeros((2, 4), np.int64))), TypeError,
      ("obs['state']", "float", "int64")),
     ("task_is_str", lambda c: c.policy.act(_obs(task="push")), TypeError,
@@ -152,7 +141,7 @@ POLICY: list[Case] = [
      ("rollout.num_steps", "(5,)", "got 7")),
     ("rollout_method", lambda c: RolloutConfig(method="ddim"), ValueError, ("method", "'sde'", "'ddim'")),
     ("rollout_trainable", lambda c: RolloutConfig(trainable="lora"), ValueError,
-     ("trainable", "'expert' or 'all'", "'lora'")),
+     ("RolloutConfig.trainable", "('expert', 'all')", "'lora'")),
     ("config_type", lambda c: Pi05Config.from_dict({"type": "pi0"}), ValueError, ("'type'", "'pi05'", "'pi0'")),
 ]
 

@@ -19,19 +19,25 @@ STATS = NormStats(
     std=np.array([2.0, 0.5, 1.0, 0.0]),
     q01=np.array([-1.0, 0.0, 1.0, 3.0]),
     q99=np.array([1.0, 4.0, 1.5, 3.0]),  # last dim: q99 == q01
+    min=np.array([-2.0, -1.0, 0.5, 3.0]),
+    max=np.array([2.0, 5.0, 2.0, 3.0]),  # last dim: max == min
+    q10=np.array([-0.5, 1.0, 1.1, 3.0]),
+    q90=np.array([0.5, 3.0, 1.4, 3.0]),
 )
+PAIRS = {"quantile": ("q01", "q99"), "quantile10": ("q10", "q90"), "min_max": ("min", "max")}
 X = torch.tensor([[0.3, 2.0, 1.2, 3.0], [-2.0, 5.0, 0.0, 4.0]], dtype=torch.float32)
 
 
 def _reference(x, rule, mode, inverse):
     x = x.double().numpy()
     s = STATS
-    if mode == "quantile":
+    if mode in PAIRS:
+        lo, hi = (getattr(s, k) for k in PAIRS[mode])
         if rule == "lerobot":
-            d = np.where(s.q99 - s.q01 == 0, 1e-8, s.q99 - s.q01)
-            return (x + 1.0) * d / 2.0 + s.q01 if inverse else 2.0 * (x - s.q01) / d - 1.0
+            d = np.where(hi - lo == 0, 1e-8, hi - lo)
+            return (x + 1.0) * d / 2.0 + lo if inverse else 2.0 * (x - lo) / d - 1.0
         eps = 1e-6 if rule == "openpi" else 1e-8
-        return (x + 1) / 2 * (s.q99 - s.q01 + eps) + s.q01 if inverse else (x - s.q01) / (s.q99 - s.q01 + eps) * 2 - 1
+        return (x + 1) / 2 * (hi - lo + eps) + lo if inverse else (x - lo) / (hi - lo + eps) * 2 - 1
     eps = 1e-6 if rule == "openpi" else 1e-8
     if inverse:
         return x * s.std + s.mean if rule == "lerobot" else x * (s.std + eps) + s.mean
@@ -39,7 +45,7 @@ def _reference(x, rule, mode, inverse):
 
 
 @pytest.mark.parametrize("rule", ["openpi", "lerobot", "phyai"])
-@pytest.mark.parametrize("mode", ["quantile", "mean_std"])
+@pytest.mark.parametrize("mode", ["quantile", "quantile10", "min_max", "mean_std"])
 def test_formulas_and_round_trip(rule, mode):
     norm = Normalizer(STATS, mode, rule)
     y = norm.normalize(X)
@@ -85,9 +91,9 @@ def test_identity_and_missing_stats():
     assert torch.equal(Normalizer(None, "quantile").unnormalize(X), X)
     with pytest.raises(ValueError, match=r"lack \['q01', 'q99'\]"):
         Normalizer(NormStats(mean=np.zeros(2), std=np.ones(2)), "quantile")
-    with pytest.raises(ValueError, match="eps_rule must be one of"):
+    with pytest.raises(ValueError, match="eps_rule: expected one of"):
         Normalizer(STATS, "quantile", "numpy")
-    with pytest.raises(ValueError, match="same length"):
+    with pytest.raises(ValueError, match="of one length"):
         NormStats(mean=np.zeros(2), std=np.ones(3))
 
 
@@ -118,7 +124,11 @@ def test_lerobot_files(tmp_path):
         {"registry_name": "rename_observations_processor", "config": {}},
         {
             "registry_name": "normalizer_processor",
-            "config": {"eps": 1e-8, "norm_map": {"VISUAL": "IDENTITY", "STATE": "QUANTILES", "ACTION": "QUANTILES"}},
+            "config": {
+                "eps": 1e-8,
+                "features": {"observation.state": {"type": "STATE", "shape": [4]}},
+                "norm_map": {"VISUAL": "IDENTITY", "STATE": "QUANTILES", "ACTION": "QUANTILES"},
+            },
             "state_file": "policy_preprocessor_step_2_normalizer_processor.safetensors",
         },
     ]

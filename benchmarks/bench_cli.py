@@ -45,10 +45,10 @@ def commit() -> str:
 def environment() -> dict:
     import torch
 
-    gpu = torch.cuda.get_device_name(0) if torch.cuda.is_available() else None
+    gpu = torch.cuda.get_device_name(0) if torch.cuda.is_available() else "cpu"
     return {
         "gpu": gpu,
-        "device": gpu or f"cpu x{os.cpu_count()} ({platform.processor() or platform.machine()})",
+        "device": gpu if gpu != "cpu" else f"cpu x{os.cpu_count()} ({platform.processor() or platform.machine()})",
         "torch": torch.__version__,
         "python": platform.python_version(),
         "commit": commit(),

@@ -269,7 +269,7 @@ def _train(args: Args, curves: CurveLog) -> dict:
                 with torch.no_grad():
                     approx_kl = ((ratio - 1) - log_ratio).mean()  # http://joschu.net/blog/kl-approx.html
                     first_kl = approx_kl if first_kl is None else first_kl
-                    clipfracs.append(((ratio - 1.0).abs() > args.clip_coef).float().mean().item())
+                    clipfracs.append(((ratio - 1.0).abs() > args.clip_coef).float().mean())  # no host sync
 
                 mb_adv = b_advantages[mb]
                 if args.norm_adv:
@@ -323,7 +323,7 @@ def _train(args: Args, curves: CurveLog) -> dict:
             "v_loss": v_loss.item(),
             "approx_kl": approx_kl.item(),
             "approx_kl_first": float(first_kl),
-            "clipfrac": float(np.mean(clipfracs)),
+            "clipfrac": float(torch.stack(clipfracs).mean()),
             "explained_variance": float(explained_var),
             "sps": global_step / (time.perf_counter() - start_time),
             "time_rollout": t_rollout,

@@ -43,12 +43,19 @@ class MasterWeights:
 
     def grads_to_masters(self) -> None:
         """Float32 copies of the model's gradients on the masters; the model's own gradients are released."""
+        pairs = [(m, p) for m, p in self._low if p.grad is not None]
         for master, param in self._low:
-            master.grad = None if param.grad is None else param.grad.float()
+            if param.grad is None:
+                master.grad = None
+            elif master.grad is None:
+                master.grad = torch.empty_like(master)
+        if pairs:  # one multi-tensor copy (and cast): hundreds of tensors, launch-bound one by one
+            torch._foreach_copy_([m.grad for m, _ in pairs], [p.grad for _, p in pairs])
+        for _, param in self._low:
             param.grad = None
 
     @torch.no_grad()
     def masters_to_model(self) -> None:
         """Round the masters into the model's parameters (in place: captured graphs and views stay valid)."""
-        for master, param in self._low:
-            param.copy_(master)
+        if self._low:
+            torch._foreach_copy_([p for _, p in self._low], [m for m, _ in self._low])

@@ -45,7 +45,8 @@ def make_policy(seed: int = 0, value_source: str = "suffix", dtype: torch.dtype 
 def state_equals(policy: Pi05Policy, model: Pi05Model, names: list[str] | None = None) -> bool:
     theirs = dict(model.named_parameters())
     return all(
-        torch.equal(p, theirs[n].to(p.dtype)) for n, p in policy.model.named_parameters() if names is None or n in names
+        torch.equal(p, theirs[n].to(p.device, p.dtype)) for n, p in policy.model.named_parameters()
+        if names is None or n in names
     )
 
 

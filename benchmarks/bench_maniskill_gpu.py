@@ -282,8 +282,9 @@ def _proof(args: argparse.Namespace, out: Path, venv: PolicyVectorEnv, n: int) -
 
 
 def section_rollout(args: argparse.Namespace, out: Path) -> None:
-    """The N sweep (+ the device proof at the first N, the overlap at N = 256)."""
+    """The N sweep, then the device proof (first N) and the overlap (its env kept open from the sweep)."""
     policy = None
+    kept: tuple[PolicyVectorEnv, Any] | None = None  # the overlap's G = 1 env, run after the sweep
     for n in args.num_envs:
         sim = venv = None
         try:
@@ -315,7 +316,7 @@ def section_rollout(args: argparse.Namespace, out: Path) -> None:
             if "proof" in args.which and n == args.num_envs[0]:
                 _section(out, "proof", functools.partial(_proof, args, out, venv, n))
             if "overlap" in args.which and n == args.overlap_envs:
-                _section(out, "overlap", functools.partial(section_overlap, args, out, policy, venv, sim))
+                kept, venv, sim = (venv, sim), None, None
         except Exception as err:  # noqa: BLE001  (a failed N must not lose the others)
             _failed(out, f"rollout N={n}", err)
         finally:
@@ -325,6 +326,9 @@ def section_rollout(args: argparse.Namespace, out: Path) -> None:
                 sim.close()
             if torch.cuda.is_available():
                 torch.cuda.empty_cache()
+    if kept is not None:
+        _section(out, "overlap", functools.partial(section_overlap, args, out, policy, *kept))
+        kept[0].close()
     if policy is not None:
         policy.close()
 
@@ -348,7 +352,7 @@ def section_overlap(args: argparse.Namespace, out: Path, policy: Pi05Policy, g1:
                 venv.step()
                 _instrument(sims, policy, timer)
                 try:
-                    split, wall_s = _timed_steps(venv, timer, args.steps)
+                    split, wall_s = _timed_steps(venv, timer, args.overlap_steps)
                 finally:
                     _restore([*sims, policy])
                 results[name].append(n * args.chunk * len(split) / wall_s)
@@ -380,9 +384,13 @@ def section_ppo(args: argparse.Namespace, out: Path) -> None:
         "--denoise-steps", str(args.denoise_steps), "--eval-episodes", "0", "--csv", str(csv_path),
     ]  # fmt: skip
     start = time.perf_counter()
-    proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=args.ppo_timeout)
+    try:
+        proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=args.ppo_timeout)
+        returncode, stdout, stderr = proc.returncode, proc.stdout, proc.stderr
+    except subprocess.TimeoutExpired as err:  # the CSV comes at the end: keep the printed iteration lines
+        returncode, stdout, stderr = "timeout", _text(err.stdout), _text(err.stderr)
     wall_s = time.perf_counter() - start
-    print(proc.stdout[-4000:], proc.stderr[-4000:], sep="\n", flush=True)
+    print(stdout[-4000:], stderr[-4000:], sep="\n", flush=True)
     rows = list(csv.DictReader(csv_path.open())) if csv_path.is_file() and csv_path.stat().st_size else []
     keys = ("pg_loss", "v_loss", "approx_kl", "clipfrac", "time_rollout", "time_train", "time_sync", "sps")
     iterations = [
@@ -398,9 +406,14 @@ def section_ppo(args: argparse.Namespace, out: Path) -> None:
         "bench": "maniskill_gpu_ppo", "config": args.config, "task": args.task, "num_envs": args.ppo_envs,
         "chunk": args.chunk, "num_steps": args.denoise_steps, "iterations": len(iterations), "finite": finite,
         "weight_synced": versions == list(range(versions[0], versions[0] + len(versions))) if versions else False,
-        "per_iteration": iterations, "wall_s": round(wall_s, 1), "returncode": proc.returncode,
-        "command": " ".join(cmd[1:]), **({"stderr_tail": proc.stderr[-1500:]} if proc.returncode else {}),
+        "per_iteration": iterations, "wall_s": round(wall_s, 1), "returncode": returncode,
+        "command": " ".join(cmd[1:]), "iteration_lines": [x for x in stdout.splitlines() if x.startswith("iter")],
+        **({"stderr_tail": stderr[-1500:]} if returncode else {}),
     })  # fmt: skip
+
+
+def _text(data: bytes | str | None) -> str:
+    return data.decode(errors="replace") if isinstance(data, bytes) else (data or "")
 
 
 def _failed(out: Path, what: str, err: BaseException) -> None:
@@ -434,6 +447,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--steps", type=int, default=6, help="timed wrapper steps per N")
     parser.add_argument("--overlap-envs", type=int, default=256, help="N of the overlap section")
     parser.add_argument("--rounds", type=int, default=2, help="interleaved rounds of the overlap section")
+    parser.add_argument("--overlap-steps", type=int, default=4, help="timed wrapper steps per overlap block")
     parser.add_argument("--ppo-envs", type=int, default=64)
     parser.add_argument("--ppo-iterations", type=int, default=3)
     parser.add_argument("--ppo-timeout", type=float, default=160.0)

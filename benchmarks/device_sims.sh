@@ -87,6 +87,7 @@ for part in "$A" "$B"; do
   (( total < 62 )) || { echo "device_sims: $part + the working tree = $total MiB, over the 64 MiB carry limit" >&2; exit 1; }
 done
 
+commit="$(git -C "$ROOT" rev-parse --short HEAD)"
 cat <<EOF
 
 [device_sims] ready. Make the two calls back to back (call 2 within ~30 s, while the machine is warm):
@@ -95,7 +96,9 @@ call 1: carry [".sims/a"]
   mkdir -p /tmp/carry && cp -r .sims/a/. /tmp/carry/ && ls /tmp/carry /tmp/carry/gl && nvidia-smi -L
 
 call 2: carry [".sims/b"]
-  set -o pipefail; bash benchmarks/run_maniskill_on_device.sh 2>&1 | tee \$OUT/device.log
+  set -o pipefail; PHYAI_GYM_COMMIT=$commit bash benchmarks/run_maniskill_on_device.sh 2>&1 | tee \$OUT/device.log
 
-(If call 2 says /tmp/carry is missing, the machine went cold: make call 1 again, then call 2.)
+(PHYAI_GYM_COMMIT is REPO_ROOT's HEAD now: commit first, or edit it. If call 2 says /tmp/carry is missing, the
+machine went cold: make call 1 again, then call 2. Results: \$OUT/maniskill.jsonl, pytest_maniskill_gpu.log,
+ppo.csv, device.log; commit the rows under benchmarks/results/.)
 EOF

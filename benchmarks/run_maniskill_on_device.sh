@@ -26,7 +26,7 @@ if [[ ! -d /tmp/carry ]] || ! ls /tmp/carry/sapien-*.whl >/dev/null 2>&1; then
   exit 3
 fi
 stamp "loaders"
-for f in /tmp/carry/gl/*.deb; do dpkg -x "$f" /; done
+for f in /tmp/carry/gl/*.deb; do [[ -f "$f" ]] && dpkg -x "$f" /; done
 ldconfig
 stamp "install -> /tmp/site"
 python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site \

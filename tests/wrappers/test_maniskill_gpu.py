@@ -64,7 +64,7 @@ def test_frozen_env_replays_its_terminal_transition_and_partial_reset_uses_env_i
     try:
         env.reset(seed=0)
         action = torch.zeros(4, 7, device="cuda")
-        action[:, 0] = 0.5
+        action[:, 2] = 0.5  # the TCP rises, away from the cube: no success can end an episode early
         for _ in range(2):
             env.step(action)
         base = env.unwrapped
@@ -103,7 +103,7 @@ def test_policy_vector_env_freezes_mid_chunk_and_resets_at_the_chunk_boundary():
         return out
 
     env.step = recording_step
-    action = [0.5, 0.0, 0.0, 0.0, 0.0, 0.0, 1.0]
+    action = [0.0, 0.0, 0.5, 0.0, 0.0, 0.0, 1.0]  # the TCP rises: the episodes end by truncation only
     venv = PolicyVectorEnv(env, ConstantPolicy(action, action_horizon=4, device="cuda"), action_chunk=4)
     try:
         venv.reset(seed=0)

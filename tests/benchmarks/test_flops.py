@@ -12,7 +12,9 @@ flops = importlib.util.module_from_spec(_spec)
 _spec.loader.exec_module(flops)
 
 
-@pytest.mark.parametrize(("case", "tflop"), [("3cam_200tok_K10_H50", 4.80), ("libero_rl_2cam_48tok_K5_H10", 2.62)])
+@pytest.mark.parametrize(
+    ("case", "tflop"), [("3cam_200tok_K10_H50", 4.80), ("libero_rl_2cam_48tok_K5_H10", 2.62)]
+)
 def test_reference_cases(case, tflop):
     total = flops.pi05_flops(Pi05Config.pi05_base(), **flops.REFERENCE_CASES[case])["total"]
     assert round(total / 1e12, 2) == tflop

@@ -23,6 +23,10 @@ Sections (``--which``, each in its own try/except, every row appended to ``--out
   (one epoch, two minibatches: the point is that it runs, with finite losses and a weight sync per iteration).
   Row ``{"bench": "maniskill_gpu_ppo"}`` with the per-iteration split.
 
+``sim_backend="gpu"`` needs SAPIEN's PhysX GPU library (``~/.sapien/physx/<version>/libPhysXGpu_64.so``, which
+SAPIEN downloads from GitHub on first use). Without it, ``--sim-backend cpu`` measures CPU PhysX in AsyncVectorEnv
+subprocesses (N > 4) with SAPIEN still rendering on the GPU; its rows are ``maniskill_cpusim_rollout``.
+
     python benchmarks/bench_maniskill_gpu.py --out maniskill.jsonl                      # GPU, the full sweep
     python benchmarks/bench_maniskill_gpu.py --which ppo --out maniskill.jsonl          # the PPO run
     python benchmarks/bench_maniskill_gpu.py --config tiny --device cpu --sim-backend cpu --num-envs 2 \\
@@ -128,9 +132,10 @@ def make_sim(args: argparse.Namespace, num_envs: int) -> Any:
     """The freezable ManiSkill vector env of the benchmark."""
     from wrappers.adapters.maniskill import make_maniskill_env
 
+    extra = {"vectorization": "async"} if args.sim_backend == "cpu" and num_envs > 4 else {}
     return make_maniskill_env(
         args.task, num_envs=num_envs, sim_backend=args.sim_backend, image_size=args.image_size,
-        control_mode="pd_ee_delta_pose",
+        control_mode="pd_ee_delta_pose", **extra,
     )  # fmt: skip
 
 
@@ -206,7 +211,8 @@ def _restore(objs: Sequence[Any], names: Sequence[str] = ("step", "reset", "act"
 def _rollout_row(args: argparse.Namespace, n: int, split: list[dict[str, float]], wall_s: float, **extra: Any) -> dict:
     col = lambda key: [s.get(key, 0.0) for s in split]  # noqa: E731
     return {
-        "bench": "maniskill_gpu_rollout", "config": args.config, "task": args.task, "num_envs": n,
+        "bench": "maniskill_gpu_rollout" if args.sim_backend == "gpu" else "maniskill_cpusim_rollout",
+        "config": args.config, "task": args.task, "num_envs": n,
         "chunk": args.chunk, "cameras": 1, "num_steps": args.denoise_steps, "image_size": args.image_size,
         "sim_backend": args.sim_backend, "timed_steps": len(split),
         "env_steps_per_s": round(n * args.chunk * len(split) / wall_s, 1),
@@ -453,7 +459,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--ppo-timeout", type=float, default=160.0)
     parser.add_argument("--ppo-csv", default=None, help="where the PPO run writes its curve CSV")
     args = parser.parse_args(argv)
-    if args.sim_backend == "cpu" and max(args.num_envs) > 4:
+    if args.sim_backend == "cpu" and not cuda and max(args.num_envs) > 4:
         parser.error(
             f"--num-envs: the CPU simulator runs one process-less env per sub-env; use <= 4, got {args.num_envs}"
         )

@@ -13,6 +13,11 @@
 # throughput benchmark and the PPO run. Only what ManiSkill imports at run time travels: GitPython, tyro, mplib
 # and imageio-ffmpeg are declared by mani_skill but unused by the env API (checked with an import trace).
 # Downloads are cached in ${SIMS_CACHE:-/tmp/phyai-sims-dl}. Idempotent.
+# ManiSkill's GPU simulator also needs SAPIEN's PhysX GPU library (libPhysXGpu_64.so for PhysX
+# 105.1-physx-5.3.1.patch0), which SAPIEN downloads from GitHub (sapien-sim/physx-precompiled, linux-so.zip) on
+# first use; no package registry has it. Give it as PHYSX_GPU=/path/to/linux-so.zip (or the .so) and it travels
+# in part B (or a part C of its own, with one more call); without it run_maniskill_on_device.sh falls back to
+# CPU PhysX with GPU rendering.
 set -euo pipefail
 
 HERE="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
@@ -80,9 +85,19 @@ for spec in "${PART_B[@]}"; do
 done
 
 mib() { du -sm "$1" | cut -f1; }
+C="$ROOT/.sims/c"
+rm -rf "$C"
+PHYSX_PART=""
+if [[ -n "${PHYSX_GPU:-}" ]]; then
+  [[ -f "$PHYSX_GPU" ]] || { echo "device_sims: PHYSX_GPU=$PHYSX_GPU is not a file" >&2; exit 2; }
+  need=$(( ($(stat -c %s "$PHYSX_GPU") + 1048575) / 1048576 ))
+  if (( $(mib "$B") + need + 6 < 62 )); then PHYSX_PART="$B"; else PHYSX_PART="$C"; fi
+  mkdir -p "$PHYSX_PART/physx" && cp "$PHYSX_GPU" "$PHYSX_PART/physx/"
+  echo "[device_sims] PhysX GPU library ($need MiB) -> ${PHYSX_PART#"$ROOT"/}/physx"
+fi
 tree_mib=$(( ($(git -C "$ROOT" ls-files -z --cached --others --exclude-standard | (cd "$ROOT" && xargs -0 -r stat -c %s 2>/dev/null) | awk '{s+=$1} END{print s+0}') + 1048575) / 1048576 ))
 echo "[device_sims] part A $(mib "$A") MiB, part B $(mib "$B") MiB, working tree ~${tree_mib} MiB (limit 64 MiB per call)"
-for part in "$A" "$B"; do
+for part in "$A" "$B" ${PHYSX_PART:+"$PHYSX_PART"}; do
   total=$(( $(mib "$part") + tree_mib ))
   (( total < 62 )) || { echo "device_sims: $part + the working tree = $total MiB, over the 64 MiB carry limit" >&2; exit 1; }
 done
@@ -95,6 +110,8 @@ cat <<EOF
 call 1: carry [".sims/a"]
   mkdir -p /tmp/carry && cp -r .sims/a/. /tmp/carry/ && ls /tmp/carry /tmp/carry/gl && nvidia-smi -L
 
+$( [[ "$PHYSX_PART" == "$C" ]] && printf '%s\n%s\n\n' 'call 1b: carry [".sims/c"]   (right after call 1)' \
+  '  mkdir -p /tmp/carry/physx && cp .sims/c/physx/* /tmp/carry/physx/ && ls -la /tmp/carry/physx' )
 call 2: carry [".sims/b"]
   set -o pipefail; PHYAI_GYM_COMMIT=$commit bash benchmarks/run_maniskill_on_device.sh 2>&1 | tee \$OUT/device.log
 

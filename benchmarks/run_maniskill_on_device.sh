@@ -42,15 +42,41 @@ egl=/usr/local/nvidia/share/glvnd/egl_vendor.d/10_nvidia.json
 export XDG_RUNTIME_DIR=/tmp/xdg && mkdir -p -m 700 /tmp/xdg
 stamp "VK_ICD_FILENAMES=${VK_ICD_FILENAMES:-unset}; $(ldconfig -p | grep -c libvulkan) libvulkan entries"
 nvidia-smi --query-gpu=name,memory.used,memory.total --format=csv,noheader
+# ManiSkill's GPU simulator needs SAPIEN's PhysX GPU library, which SAPIEN downloads from GitHub on first use (no
+# network here). Take it from the carries (device_sims.sh PHYSX_GPU=...) if they hold it; else fall back to CPU
+# PhysX in subprocesses with SAPIEN still rendering on the GPU (rows maniskill_cpusim_rollout; no PPO, no GPU tests).
+SIM=gpu
+if ! timeout 60 python3 - <<'EOF'
+import pathlib, shutil, sys, zipfile
+import sapien.physx as physx
+target = pathlib.Path.home() / ".sapien" / "physx" / physx.version()
+target.mkdir(parents=True, exist_ok=True)
+for folder in (pathlib.Path("/tmp/carry/physx"), pathlib.Path(".sims/b/physx")):
+    if (target / "libPhysXGpu_64.so").is_file():
+        break
+    for zipped in sorted(folder.glob("*.zip")):
+        zipfile.ZipFile(zipped).extractall(target)
+    if (folder / "libPhysXGpu_64.so").is_file():
+        shutil.copy(folder / "libPhysXGpu_64.so", target)
+found = (target / "libPhysXGpu_64.so").is_file()
+print(f"PhysX GPU library {physx.version()}: {'found' if found else 'MISSING'} at {target}")
+sys.exit(0 if found else 1)
+EOF
+then
+  SIM=cpu
+  echo "run_maniskill: BLOCKER: no libPhysXGpu_64.so, so no ManiSkill GPU simulation; falling back to CPU PhysX"
+fi
 
 if want smoke; then
   stamp "smoke"
-  timeout -k 5 "$(cap 60)" python3 - <<'EOF' || echo "run_maniskill: smoke test failed (rc=$?)"
+  MS_SIM=$SIM timeout -k 5 "$(cap 60)" python3 - <<'EOF' || echo "run_maniskill: smoke test failed (rc=$?)"
 import time, torch, gymnasium as gym, sapien, mani_skill, mani_skill.envs  # noqa: F401
 print("sapien", sapien.__version__, "mani_skill", mani_skill.__version__, "torch", torch.__version__)
 t = time.perf_counter()
-env = gym.make("PickCube-v1", num_envs=4, obs_mode="rgb", sim_backend="physx_cuda", control_mode="pd_ee_delta_pose",
-               sensor_configs={"width": 224, "height": 224})
+import os
+gpu = os.environ["MS_SIM"] == "gpu"
+env = gym.make("PickCube-v1", num_envs=4 if gpu else 1, obs_mode="rgb", sim_backend="physx_cuda" if gpu else "physx_cpu",
+               render_backend="gpu", control_mode="pd_ee_delta_pose", sensor_configs={"width": 224, "height": 224})
 obs, _ = env.reset(seed=0)
 obs, *_ = env.step(torch.zeros(env.action_space.shape, device=env.unwrapped.device))
 rgb = obs["sensor_data"]["base_camera"]["rgb"]
@@ -68,10 +94,14 @@ fi
 if want bench; then
   stamp "bench"
   # shellcheck disable=SC2086
-  timeout -k 5 "$(cap 250)" python3 benchmarks/bench_maniskill_gpu.py --out "$OUT/maniskill.jsonl" ${MS_BENCH_ARGS:-} \
+  fallback=(); [[ $SIM == cpu ]] && fallback=(--sim-backend cpu --num-envs 16 --overlap-envs 16 --which rollout overlap)
+  timeout -k 5 "$(cap 250)" python3 benchmarks/bench_maniskill_gpu.py --out "$OUT/maniskill.jsonl" ${fallback[@]+"${fallback[@]}"} \
+    ${MS_BENCH_ARGS:-} \
     || echo "run_maniskill: bench rc=$?"
 fi
-if want ppo; then
+if want ppo && [[ $SIM == cpu ]]; then
+  echo "run_maniskill: PPO skipped: examples/ppo_pi05.py builds PickCube-v1 on the GPU simulator (no PhysX GPU library)"
+elif want ppo; then
   stamp "ppo"
   timeout -k 5 "$(cap 170)" python3 benchmarks/bench_maniskill_gpu.py --which ppo --out "$OUT/maniskill.jsonl" \
     --ppo-csv "$OUT/ppo.csv" || echo "run_maniskill: ppo rc=$?"

@@ -8,6 +8,7 @@ SAPIEN's render buffer, which the next render overwrites, so the tests clone wha
 from __future__ import annotations
 
 import importlib.util
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -18,10 +19,27 @@ from wrappers import PolicyVectorEnv
 from wrappers.freeze import THAW_OPTION
 
 HAVE_MANISKILL = importlib.util.find_spec("mani_skill") is not None
+
+
+def _physx_gpu_library() -> Path | None:
+    """SAPIEN's PhysX GPU library, which ``sapien.physx.enable_gpu()`` would download (None: not there)."""
+    if not HAVE_MANISKILL:
+        return None
+    import sapien.physx
+
+    path = Path.home() / ".sapien" / "physx" / sapien.physx.version() / "libPhysXGpu_64.so"
+    return path if path.is_file() else None
+
+
 pytestmark = [
     pytest.mark.cuda,
     pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU (ManiSkill's GPU simulator)"),
     pytest.mark.skipif(not HAVE_MANISKILL, reason="ManiSkill3 is not installed (benchmarks/device_sims.sh)"),
+    pytest.mark.skipif(
+        torch.cuda.is_available() and _physx_gpu_library() is None,
+        reason="SAPIEN's PhysX GPU library is missing (~/.sapien/physx/<version>/libPhysXGpu_64.so; SAPIEN downloads "
+        "it from GitHub on first use: run `python -c 'import sapien.physx as p; p.enable_gpu()'` once online)",
+    ),
 ]
 SIZE = 64
 

@@ -232,9 +232,9 @@ def _train(args: Args, curves: CurveLog) -> dict:
                 rewards[step] = torch.as_tensor(reward, device=device).float() + args.gamma * final_value * trunc
                 dones[step] = torch.as_tensor(terminated | truncated, device=device).float()
                 if "episode" in infos:
-                    ended = np.asarray(infos["_episode"])
-                    returns_done += np.asarray(infos["episode"]["r"])[ended].tolist()
-                    successes += np.asarray(infos["episode"]["success_once"])[ended].tolist()
+                    ended = _numpy(infos["_episode"])
+                    returns_done += _numpy(infos["episode"]["r"])[ended].tolist()
+                    successes += _numpy(infos["episode"]["success_once"])[ended].tolist()
             next_value = policy.value(obs).to(device)  # V(s_T) for the unfinished envs
 
             # ---- GAE over chunk steps (explicit loop) ----------------------------------------------------
@@ -358,6 +358,11 @@ def _train(args: Args, curves: CurveLog) -> dict:
     return {"curve": curves.rows, "final": final, "times": times}
 
 
+def _numpy(value) -> np.ndarray:
+    """An info leaf on the host (GPU simulators such as ManiSkill's report torch tensors on the device)."""
+    return value.detach().cpu().numpy() if isinstance(value, torch.Tensor) else np.asarray(value)
+
+
 @torch.no_grad()
 def success_rate(envs: PolicyVectorEnv, episodes: int, *, deterministic: bool, seed: int) -> float:
     """Fraction of the first `episodes` finished episodes that succeeded (policy acting as in the rollout)."""
@@ -367,8 +372,8 @@ def success_rate(envs: PolicyVectorEnv, episodes: int, *, deterministic: bool, s
     while len(outcomes) < episodes:
         _, _, _, _, infos = envs.step()
         if "episode" in infos:
-            ended = np.asarray(infos["_episode"])
-            outcomes += np.asarray(infos["episode"]["success_once"])[ended].tolist()
+            ended = _numpy(infos["_episode"])
+            outcomes += _numpy(infos["episode"]["success_once"])[ended].tolist()
     envs.deterministic = previous
     return float(np.mean(outcomes[:episodes]))
 

@@ -53,10 +53,7 @@ from typing import Any
 
 import torch
 
-ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
-
-from benchmarks.bench_policy import env_row  # noqa: E402
+from benchmarks.common import ROOT, environment  # noqa: E402
 from policies.pi05.config import Pi05Config  # noqa: E402
 from policies.pi05.policy import Pi05Policy, RolloutConfig  # noqa: E402
 from policies.pi05.processor import Pi05Processor  # noqa: E402
@@ -69,7 +66,7 @@ CAMERA_MAP = {"image": "base_0_rgb"}
 
 
 def _emit(out: Path, row: dict) -> None:
-    row = {**env_row(), **row}
+    row = {**environment(), **row}
     print(json.dumps(row), flush=True)
     out.parent.mkdir(parents=True, exist_ok=True)
     with out.open("a") as handle:

@@ -114,8 +114,8 @@ def _rollout_batch(rollout, device: str):
     return RolloutBatch.from_output(out)
 
 
-def _update_step(trainer, master, optimizer, batch) -> None:
-    new = trainer.evaluate(batch)
+def _update_step(trainer, master, optimizer, batch, graphs: bool = False) -> None:
+    new = trainer.evaluate(batch, cuda_graphs=graphs)
     ratio = (new.log_prob - batch.log_prob).exp()
     adv = torch.linspace(-1, 1, batch.batch_size, device=ratio.device)
     pg = torch.max(-adv * ratio, -adv * ratio.clamp(0.8, 1.2)).mean()
@@ -128,7 +128,7 @@ def _update_step(trainer, master, optimizer, batch) -> None:
     master.masters_to_model()
 
 
-def _time_updates(trainer, master, batch, steps: int, warmup: int = 2) -> list[float]:
+def _time_updates(trainer, master, batch, steps: int, warmup: int = 2, graphs: bool = False) -> list[float]:
     optimizer = torch.optim.Adam(master.parameters(), lr=5e-6, eps=1e-5)
     times = []
     gen = torch.Generator().manual_seed(0)
@@ -137,20 +137,20 @@ def _time_updates(trainer, master, batch, steps: int, warmup: int = 2) -> list[f
         sub = batch.select(mb)
         torch.cuda.synchronize()
         t0 = time.perf_counter()
-        _update_step(trainer, master, optimizer, sub)
+        _update_step(trainer, master, optimizer, sub, graphs)
         torch.cuda.synchronize()
         if i >= warmup:
             times.append(time.perf_counter() - t0)
     return times
 
 
-def _kernels_per_minibatch(trainer, master, batch) -> int:
+def _kernels_per_minibatch(trainer, master, batch, graphs: bool = False) -> int:
     from torch.profiler import ProfilerActivity, profile
 
     optimizer = torch.optim.Adam(master.parameters(), lr=5e-6, eps=1e-5)
     sub = batch.select(torch.arange(MINIBATCH, device=batch.chains.device))
     with profile(activities=[ProfilerActivity.CUDA]) as prof:
-        _update_step(trainer, master, optimizer, sub)
+        _update_step(trainer, master, optimizer, sub, graphs)
         torch.cuda.synchronize()
     return int(sum(e.count for e in prof.key_averages() if e.device_type.name == "CUDA"))
 
@@ -162,7 +162,7 @@ def bench_update(out: Path, device: str = "cuda") -> None:
         held = rollout.held_bytes  # what the rollout policy holds (weights, buffers, graphs)
         variants = [("default", batch)] if trainer_dtype is None else [("float32", replace(batch, prefix=None))]
         if trainer_dtype is None:
-            variants.append(("default_encode_once", replace(batch, prefix=None)))
+            variants = [("default_graphed", batch), *variants, ("default_encode_once", replace(batch, prefix=None))]
         for name, data in variants:
             encode_s = 0.0
             if name == "default_encode_once":
@@ -172,18 +172,21 @@ def bench_update(out: Path, device: str = "cuda") -> None:
                 torch.cuda.synchronize()
                 encode_s = time.perf_counter() - t0
             torch.cuda.reset_peak_memory_stats()
-            times = _time_updates(trainer, master, data, steps=8 if trainer_dtype is None else 3)
+            graphs = name == "default_graphed"
+            times = _time_updates(trainer, master, data, steps=8 if trainer_dtype is None else 3, graphs=graphs)
             p50 = float(np.median(times)) + encode_s / (EPOCHS * BATCH // MINIBATCH)
             _row(out, {"bench": "ppo_update", "trainer": name, "setting": SETTING, "minibatch": MINIBATCH,
                        "K": 5, "method": "sde joint", "trainable": "expert",
-                       "prefix": {"default": "kept from the rollout", "default_encode_once": "encoded once per batch",
+                       "cuda_graphs": graphs,
+                       "prefix": {"default": "kept from the rollout", "default_graphed": "kept from the rollout",
+                                  "default_encode_once": "encoded once per batch",
                                   "float32": "recomputed per minibatch"}[name],
                        "minibatch_ms_p50": p50 * 1e3, "encode_prefix_ms": encode_s * 1e3,
                        "samples_per_s": MINIBATCH / p50,
                        "peak_mem_gib": (torch.cuda.max_memory_allocated() - held) / 2**30,
                        "process_peak_gib": torch.cuda.max_memory_allocated() / 2**30,
                        "rollout_policy_gib": held / 2**30,
-                       "kernels_per_minibatch": _kernels_per_minibatch(trainer, master, data)})
+                       "kernels_per_minibatch": _kernels_per_minibatch(trainer, master, data, graphs)})
         del rollout, trainer, master, batch
         torch.cuda.empty_cache()
 

@@ -263,7 +263,8 @@ def _train(args: Args, curves: CurveLog) -> dict:
             np.random.shuffle(b_idx)
             for start in range(0, args.batch_size, args.minibatch_size):
                 mb = torch.as_tensor(b_idx[start : start + args.minibatch_size], device=device)
-                new = trainer.evaluate(b_samples.select(mb))  # differentiable log-probs and values
+                # differentiable log-probs and values (forward and backward replayed as CUDA graphs on a GPU)
+                new = trainer.evaluate(b_samples.select(mb), cuda_graphs=device.type == "cuda")
                 log_ratio = new.log_prob - b_log_probs[mb]
                 ratio = log_ratio.exp()
                 with torch.no_grad():

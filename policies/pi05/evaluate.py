@@ -16,12 +16,13 @@ rollout's own K/V when the batch kept them (`RolloutConfig.keep_prefix`), else i
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
+from typing import Any
 
 import torch
 
 from ..base import RolloutConfig
-from .batch import RolloutBatch
+from .batch import RolloutBatch, StoredPrefix
 from .model import Pi05Model, PrefixCache
 from .rollout import run_prefix_stage
 from .sampler import NO_NOISE_HEAD, StepTables, gaussian_log_prob, transition
@@ -63,8 +64,13 @@ def _expand(cache: PrefixCache, rows: torch.Tensor) -> PrefixCache:
     )
 
 
-def evaluate_rollout(model: Pi05Model, batch: RolloutBatch, opts: RolloutConfig, train_prefix: bool) -> EvalOutput:
-    """Recompute log-probs / values / entropy for the stored chains (B, K+1, H, D) of `batch`."""
+def evaluate_rollout(
+    model: Pi05Model, batch: RolloutBatch, opts: RolloutConfig, train_prefix: bool, steps: StepTables | None = None
+) -> EvalOutput:
+    """Recompute log-probs / values / entropy for the stored chains (B, K+1, H, D) of `batch`.
+
+    `steps` are the schedule tables of K on the batch's device (built here when not given).
+    """
     if opts.method == "noise" and model.noise_head is None:
         raise ValueError(NO_NOISE_HEAD)
     chains, k = batch.chains, opts.num_steps
@@ -82,7 +88,7 @@ def evaluate_rollout(model: Pi05Model, batch: RolloutBatch, opts: RolloutConfig,
 
     # ---- one expert pass over every (sample, step) row ---------------------------------------------------------
     rows_b, rows_i = _rows(opts, batch.denoise_inds, k)
-    steps = StepTables.build(k, dev)
+    steps = steps or StepTables.build(k, dev)
     cond = model.time_condition(steps.times[:-1])  # (K, We), as the rollout tables
     table = model.modulation_table(cond).to(model.compute_dtype)  # (n_norms, K, 3We), the rollout's step table
     mods = [tuple(m[:, None].chunk(3, dim=-1)) for m in table.index_select(1, rows_i)]  # (R, 1, We) x 3 per norm
@@ -130,3 +136,54 @@ def evaluate_rollout(model: Pi05Model, batch: RolloutBatch, opts: RolloutConfig,
     else:
         entropy = torch.zeros(b, dtype=dtype, device=dev)
     return EvalOutput(elements, elements.sum(dim=(1, 2)), values.to(dtype), entropy)
+
+
+class _KeptPrefixEvaluate(torch.nn.Module):
+    """`evaluate_rollout` of a kept-prefix batch as a module of tensors (what `make_graphed_callables` takes)."""
+
+    def __init__(self, model: Pi05Model, opts: RolloutConfig, steps: StepTables) -> None:
+        super().__init__()
+        self.model, self.opts, self.steps = model, opts, steps
+
+    def forward(self, chains, denoise_inds, kv, key_mask, *pooled):
+        prefix = StoredPrefix(kv, key_mask, pooled[0] if pooled else None)
+        unused = chains[:, 0, 0, 0]  # the batch's old log-probs and values do not enter the recomputation
+        batch = RolloutBatch(None, chains, denoise_inds, unused, unused, self.opts, prefix)  # type: ignore[arg-type]
+        out = evaluate_rollout(self.model, batch, self.opts, train_prefix=False, steps=self.steps)
+        return out.log_prob_elements, out.values, out.entropy
+
+
+class GraphedEvaluate:
+    """`evaluate_rollout` for kept-prefix batches with its forward and backward replayed as CUDA graphs.
+
+    The trainer's update is bound by launch overhead (thousands of small kernels per minibatch); one pair of graphs
+    per batch shape and settings (`torch.cuda.make_graphed_callables`, captured on first use) replays them. The
+    model's parameters get the same gradients as from the eager call; weights changed in place (an optimizer step,
+    a weight commit) are read by the next replay.
+
+    Example:
+        >>> graphed = GraphedEvaluate(policy.model)  # doctest: +SKIP
+        >>> out = graphed(batch.select(mb), batch.header)  # doctest: +SKIP
+    """
+
+    def __init__(self, model: Pi05Model) -> None:
+        self.model = model
+        self.graphs: dict[tuple, Any] = {}
+        self.steps: dict[int, StepTables] = {}
+
+    def __call__(self, batch: RolloutBatch, opts: RolloutConfig) -> EvalOutput:
+        """The same outputs as ``evaluate_rollout(model, batch, opts, train_prefix=False)``."""
+        prefix = batch.prefix
+        assert prefix is not None
+        args = (batch.chains, batch.denoise_inds, prefix.kv, prefix.key_mask)
+        args += () if prefix.pooled is None else (prefix.pooled,)
+        key = (replace(opts, weight_version=0), tuple((a.shape, a.dtype) for a in args))
+        fn = self.graphs.get(key)
+        if fn is None:
+            k = opts.num_steps
+            steps = self.steps.setdefault(k, StepTables.build(k, batch.chains.device))
+            module = _KeptPrefixEvaluate(self.model, opts, steps)
+            sample = tuple(a.detach().clone() for a in args)
+            fn = self.graphs[key] = torch.cuda.make_graphed_callables(module, sample, allow_unused_input=True)
+        elements, values, entropy = fn(*args)
+        return EvalOutput(elements, elements.sum(dim=(1, 2)), values, entropy)

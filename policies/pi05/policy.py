@@ -25,7 +25,7 @@ from .batch import RolloutBatch, StoredPrefix
 from .broadcast import broadcast_weights
 from .checkpoint import LoadReport, checkpoint_folder, load_config, load_weights, save_weights
 from .config import Pi05Config
-from .evaluate import EvalOutput, evaluate_rollout
+from .evaluate import EvalOutput, GraphedEvaluate, evaluate_rollout
 from .inputs import ModelInputs
 from .model import Pi05Model, randomize_parameters_, torch_dtype
 from .prompt import DEFAULT_BUCKETS
@@ -80,6 +80,7 @@ class Pi05Policy:
         self.streams = StreamTable(self.device)
         self._lock = threading.RLock()
         self._closed = False
+        self._graphed_evaluate: GraphedEvaluate | None = None  # the trainer's captured update graphs (evaluate)
         self.weight_sync = WeightSync(model, lambda: self.scheduler.refresh_tables(), self._lock)
         self.model.eval()
         self.set_trainable(self.rollout.trainable)
@@ -356,13 +357,14 @@ class Pi05Policy:
             return out.values
 
     # -------------------------------------------------------------------------------------- evaluate
-    def evaluate(self, batch: RolloutBatch | PolicyOutput) -> EvalOutput:
+    def evaluate(self, batch: RolloutBatch | PolicyOutput, *, cuda_graphs: bool = False) -> EvalOutput:
         """Differentiable log-probs, values and entropy of a stored rollout batch (for the PPO ratio).
 
         `batch` is a `RolloutBatch` (e.g. ``RolloutBatch.cat(...)`` of a rollout's calls, then ``.select(mb)``)
         or one `act()` output. Its header must match this policy's settings (method, K, a, C, A, value source,
         joint); the weight version may differ (that is the point of the ratio). A batch that kept the prefix K/V
-        is not recomputed there unless the prefix is trainable.
+        is not recomputed there unless the prefix is trainable. `cuda_graphs` replays the forward and backward of
+        kept-prefix batches as CUDA graphs on a GPU (`GraphedEvaluate`; captured once per batch shape), else eager.
         """
         if isinstance(batch, PolicyOutput):
             lacking = [name for name in ("chains", "denoise_inds", "inputs") if getattr(batch, name) is None]
@@ -399,8 +401,14 @@ class Pi05Policy:
                 f"{self.model.compute_dtype}; build the trainer in the rollout's dtype (the default) or drop the "
                 "prefix (batch.prefix = None) to recompute it."
             )
+        train_prefix = self.rollout.trainable == "all"
+        graphs = cuda_graphs and self.device.type == "cuda" and batch.prefix is not None and not train_prefix
         with self._weights_in_use():  # weight sync (C6): no commit interleaves with this forward
-            return evaluate_rollout(self.model, batch, h, train_prefix=self.rollout.trainable == "all")
+            if graphs:
+                if self._graphed_evaluate is None:
+                    self._graphed_evaluate = GraphedEvaluate(self.model)
+                return self._graphed_evaluate(batch, h)
+            return evaluate_rollout(self.model, batch, h, train_prefix=train_prefix)
 
     @torch.no_grad()
     def encode_prefix(self, batch: RolloutBatch) -> RolloutBatch:

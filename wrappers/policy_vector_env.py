@@ -37,7 +37,7 @@ from gymnasium.vector.utils import batch_space
 from policies.base import Policy, PolicyOutput
 from wrappers._chunk import ChunkResult, ChunkRunner, concat, take_rows, to_numpy_tree
 from wrappers.episode_statistics import EpisodeStatistics
-from wrappers.freeze import FREEZABLE_KEY, require_freezable
+from wrappers.freeze import FREEZABLE_KEY, require_freezable, start_freezing
 
 CANONICAL_KEYS = ("images", "state", "task")
 _FIX_OBS = (
@@ -146,6 +146,8 @@ class PolicyVectorEnv(VectorWrapper):
         self._prefetch = bool(prefetch)
         if self._prefetch:
             self._check_prefetch(policy)
+        for e in envs:  # all arguments valid: from here on the envs freeze finished sub-envs (C2)
+            start_freezing(e)
         # prefetch: up to G chunks and G policy calls at once
         workers = len(envs) * (2 if self._prefetch else 1)
         self._pool = ThreadPoolExecutor(workers, "pve-group") if workers > 1 else None

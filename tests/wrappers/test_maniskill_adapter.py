@@ -19,7 +19,7 @@ from wrappers.adapters.maniskill import (
     make_maniskill_env,
     maniskill_instruction,
 )
-from wrappers.freeze import FREEZABLE_KEY, THAW_OPTION
+from wrappers.freeze import FREEZABLE_KEY, THAW_OPTION, start_freezing
 
 HAVE_MANISKILL = importlib.util.find_spec("mani_skill") is not None
 WHY = 'ManiSkill3 is not installed (pip install "phyai-gym[maniskill]" or bash .ci/install_sims.sh maniskill)'
@@ -179,6 +179,7 @@ def test_batched_maniskill_vector_env_freezes_and_partially_resets():
     env = make_maniskill_env("PushCube-v1", sim_backend="cpu", vectorization="maniskill", max_episode_steps=2)
     try:
         assert isinstance(env, ManiSkillFreezeWrapper) and env.metadata[FREEZABLE_KEY]
+        start_freezing(env)
         obs, _ = env.reset(seed=1)
         assert isinstance(obs["images"]["image"], torch.Tensor) and obs["images"]["image"].dtype == torch.uint8
         assert obs["state"].shape == (1, 16) and obs["task"] == ("push the cube to the red and white target",)

@@ -235,12 +235,14 @@ def _rows(value: Any, num_envs: int) -> bool:
 class ManiSkillFreezeWrapper(VectorWrapper):
     """Canonical observation and per-env freezing over a batched ``ManiSkillVectorEnv(auto_reset=False)``.
 
-    Freezing (rules of `wrappers.freeze`): an env that terminates or truncates is frozen; while frozen its
-    observation and info rows are the terminal ones, reward 0 and done flags False. The batched simulator
-    still steps it (a GPU batch cannot skip rows), which nobody observes before its reset. A reset that
-    does not carry ``THAW_OPTION`` leaves frozen envs alone; ``reset(options={"reset_mask": m, THAW_OPTION:
-    True})`` resets the masked envs through ManiSkill's partial reset (``options={"env_idx": ...}``). The
-    wrapper never autoresets (``metadata["autoreset_mode"] = DISABLED``).
+    The wrapper never autoresets (``metadata["autoreset_mode"] = DISABLED``): ``reset(options={"reset_mask":
+    m})`` resets the masked envs through ManiSkill's partial reset (``options={"env_idx": ...}``).
+
+    Freezing (rules of `wrappers.freeze`, on after `start_freezing()`, which `PolicyVectorEnv` calls): an env
+    that terminates or truncates is frozen; while frozen its observation and info rows are the terminal
+    ones, reward 0 and done flags False. The batched simulator still steps it (a GPU batch cannot skip
+    rows), which nobody observes before its reset. A reset that does not carry ``THAW_OPTION`` leaves frozen
+    envs alone; ``reset(options={"reset_mask": m, THAW_OPTION: True})`` resets and thaws the masked envs.
 
     Example:
         >>> venv = make_maniskill_env("PickCube-v1", num_envs=4, sim_backend="gpu")  # doctest: +SKIP
@@ -259,14 +261,19 @@ class ManiSkillFreezeWrapper(VectorWrapper):
         self.single_observation_space = _single_obs_space(size, _camera_names(raw_space), state_dim)
         self.observation_space = gym.vector.utils.batch_space(self.single_observation_space, self.num_envs)
         self.metadata = {**env.metadata, "autoreset_mode": AutoresetMode.DISABLED, FREEZABLE_KEY: True}
+        self._freezing = False
         self._frozen = torch.zeros(self.num_envs, dtype=torch.bool, device=self.device)
         self._terminal_obs: dict[str, Any] | None = None
         self._terminal_info: dict[str, Any] = {}
 
     @property
     def frozen(self) -> torch.Tensor:
-        """(N,) bool: envs that finished and wait for a thawing reset."""
+        """(N,) bool: envs that finished and wait for a thawing reset (none while freezing is off)."""
         return self._frozen.clone()
+
+    def start_freezing(self) -> None:
+        """Switches freezing on (see `wrappers.freeze.start_freezing`); from the next episode end on, rules 1-3 hold."""
+        self._freezing = True
 
     def _canonical(self, raw: Mapping[str, Any]) -> dict[str, Any]:
         base = self.env.unwrapped
@@ -320,7 +327,7 @@ class ManiSkillFreezeWrapper(VectorWrapper):
         reward = torch.where(frozen, torch.zeros_like(reward), reward)
         self._merge(obs, info, frozen)
         done = terminated | truncated
-        if bool(done.any()):
+        if self._freezing and bool(done.any()):
             self._store(obs, info, done)
             self._frozen = frozen | done
         return obs, reward, terminated, truncated, info

@@ -26,7 +26,7 @@ WHY = 'ManiSkill3 is not installed (pip install "phyai-gym[maniskill]" or bash .
 if not HAVE_MANISKILL:
     print(f"test_maniskill_adapter: simulator tests skipped: {WHY}", file=sys.stderr)
 needs_maniskill = pytest.mark.skipif(not HAVE_MANISKILL, reason=WHY)
-PICK = "pick up the red cube and move it to the green goal"
+PICK = "pick up the red cube and move it to the goal position"
 
 
 @pytest.fixture(scope="module")
@@ -73,7 +73,7 @@ def test_observation_contract(venv):
     image = obs["images"]["image"]
     assert image.shape == (2, 224, 224, 3) and image.dtype == np.uint8
     assert 20 < image.mean() < 235 and image.std() > 10
-    assert obs["state"].shape == (2, 16) and obs["state"].dtype == np.float32
+    assert obs["state"].shape == (2, 19) and obs["state"].dtype == np.float32  # qpos 9, tcp pose 7, goal 3
     assert list(obs["task"]) == [PICK, PICK]
     assert venv.single_action_space.shape == (7,)
     assert "success" in info or "elapsed_steps" in info
@@ -90,13 +90,14 @@ def test_image_is_upright(venv):
 
 @needs_maniskill
 @pytest.mark.slow
-def test_state_is_qpos_and_tcp_pose(venv):
+def test_state_is_qpos_tcp_pose_and_hidden_goal(venv):
     obs, _ = venv.reset(seed=0, options={THAW_OPTION: True})
     for i in range(2):
         base = _base(venv, i)
         qpos = base.agent.robot.get_qpos()[0].cpu().numpy()
         tcp = base.agent.tcp.pose.raw_pose[0].cpu().numpy()
-        assert np.allclose(obs["state"][i], np.concatenate([qpos, tcp]), atol=1e-6)
+        goal = base.goal_site.pose.p[0].cpu().numpy()
+        assert np.allclose(obs["state"][i], np.concatenate([qpos, tcp, goal]), atol=1e-6)
 
 
 @needs_maniskill

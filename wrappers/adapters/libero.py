@@ -417,11 +417,14 @@ class LiberoEnv(gym.Env):
             envs = importlib.import_module("libero.libero.envs")
         except ImportError as exc:
             raise ImportError(f"LiberoEnv: cannot import LIBERO ({exc}). {LIBERO_INSTALL_HINT}") from exc
+        # robosuite ends its episode at `horizon` (1000 control steps, settle steps included) and then refuses
+        # every step; episodes here end on our own limit, so its done flag is switched off (nothing else reads it)
         return envs.OffScreenRenderEnv(
             bddl_file_name=self.task.bddl_file,
             camera_heights=self.image_size,
             camera_widths=self.image_size,
             hard_reset=self.hard_reset,
+            ignore_done=True,
         )
 
     def _canonical(self, raw: Mapping[str, Any]) -> dict[str, Any]:

@@ -12,8 +12,11 @@ Two ways to vectorise, both freezable (DESIGN C2):
 
 Canonical observation: ``images["image"]`` = the task's ``base_camera`` RGB (``images["wrist_image"]`` =
 ``hand_camera`` with ``robot_uids="panda_wristcam"``), uint8 (N, S, S, 3), upright as ManiSkill renders it;
-``state`` = ``agent/qpos`` (9 for Panda) + ``extra/tcp_pose`` (position 3 + quaternion wxyz 4), float32;
-``task`` = the instruction per env. Success comes from ``info["success"]`` (also reported as
+``state`` = ``agent/qpos`` (9 for Panda) + ``extra/tcp_pose`` (position 3 + quaternion wxyz 4), then
+``extra/goal_pos`` (3) for the tasks that report it in their camera observation modes -- exactly the tasks
+that hide their goal marker from the cameras (PickCube-v1, PickSingleYCB-v1), so the goal is observable;
+float32. Where the goal is something the cameras see, it stays in the image (`GOAL_OBSERVATION` says which,
+per task). ``task`` = the instruction per env. Success comes from ``info["success"]`` (also reported as
 ``info["is_success"]``); an episode terminates on success and is truncated at the task's step limit.
 
 Rendering without a GPU needs Vulkan: SAPIEN accepts Mesa >= 24.3 lavapipe. ``.ci/install_sims.sh``
@@ -37,12 +40,14 @@ import gymnasium as gym
 import numpy as np
 import torch
 from gymnasium import spaces
+from gymnasium.utils import RecordConstructorArgs
 from gymnasium.vector import AutoresetMode, VectorEnv, VectorWrapper
 
 from wrappers.freeze import FREEZABLE_KEY, THAW_OPTION, make_freezable_vector_env
 
 __all__ = [
     "MANISKILL_INSTALL_HINT",
+    "GOAL_OBSERVATION",
     "MANISKILL_INSTRUCTIONS",
     "ManiSkillFreezeWrapper",
     "ManiSkillObservation",
@@ -56,7 +61,7 @@ MANISKILL_INSTALL_HINT = (
     "driver: run `bash .ci/install_sims.sh maniskill`)"
 )
 MANISKILL_INSTRUCTIONS: dict[str, str] = {
-    "PickCube-v1": "pick up the red cube and move it to the green goal",
+    "PickCube-v1": "pick up the red cube and move it to the goal position",
     "PushCube-v1": "push the cube to the red and white target",
     "PullCube-v1": "pull the cube to the red and white target",
     "StackCube-v1": "stack the red cube on top of the green cube",
@@ -67,9 +72,28 @@ MANISKILL_INSTRUCTIONS: dict[str, str] = {
     "PlaceSphere-v1": "place the sphere into the bin",
     "RollBall-v1": "roll the ball to the goal region",
     "PushT-v1": "push the T-shaped block onto the target pose",
-    "PickSingleYCB-v1": "pick up the object and move it to the green goal",
+    "PickSingleYCB-v1": "pick up the object and move it to the goal position",
 }
 """Task id -> instruction. Other ids get one made from the id (see `maniskill_instruction`)."""
+GOAL_OBSERVATION: dict[str, tuple[str, str]] = {
+    "PickCube-v1": ("state", "goal_site"),
+    "PushCube-v1": ("image", "goal_region"),
+    "PullCube-v1": ("image", "goal_region"),
+    "StackCube-v1": ("image", "cubeB"),
+    "PegInsertionSide-v1": ("image", "box"),
+    "PlugCharger-v1": ("image", "receptacle"),
+    "LiftPegUpright-v1": ("image", "peg"),
+    "PokeCube-v1": ("image", "goal_region"),
+    "PlaceSphere-v1": ("image", "bin"),
+    "RollBall-v1": ("image", "goal_region"),
+    "PushT-v1": ("image", "goal_tee"),
+    "PickSingleYCB-v1": ("state", "goal_site"),
+}
+"""Task id -> (where the policy sees the goal, the task's goal actor attribute). "state": the goal marker is
+hidden from the cameras and its position ends the state vector (``extra/goal_pos``); "image": the actor is
+rendered in the camera images (LiftPegUpright's goal is the peg's own orientation)."""
+GOAL_KEY = "goal_pos"
+"""``extra`` entry appended to the state when a task reports it in its camera observation modes."""
 CAMERAS: dict[str, str] = {"base_camera": "image", "hand_camera": "wrist_image"}
 """ManiSkill sensor name -> canonical camera name (other sensors keep their own name)."""
 TASK_CHARSET = frozenset(string.printable)
@@ -176,14 +200,22 @@ def _canonical_parts(raw: Mapping[str, Any], tcp_pose: Any) -> tuple[dict[str, A
     extra = raw.get("extra", {})
     tcp = extra["tcp_pose"] if "tcp_pose" in extra else tcp_pose()
     qpos = raw["agent"]["qpos"]
+    parts = [tcp] + ([extra[GOAL_KEY]] if GOAL_KEY in extra else [])
     if isinstance(qpos, torch.Tensor):
-        state = torch.cat([qpos.float(), torch.as_tensor(tcp, device=qpos.device).float()], dim=-1)
+        state = torch.cat([qpos.float(), *(torch.as_tensor(p, device=qpos.device).float() for p in parts)], dim=-1)
     else:
-        state = np.concatenate([qpos, np.asarray(tcp).reshape(qpos.shape[:-1] + (-1,))], axis=-1).astype(np.float32)
+        rows = qpos.shape[:-1] + (-1,)
+        state = np.concatenate([qpos, *(np.asarray(p).reshape(rows) for p in parts)], axis=-1).astype(np.float32)
     return images, state
 
 
-class ManiSkillObservation(gym.ObservationWrapper):
+def _state_dim(raw_space: spaces.Dict) -> int:
+    extra = raw_space.spaces.get("extra")
+    goal = extra[GOAL_KEY].shape[-1] if isinstance(extra, spaces.Dict) and GOAL_KEY in extra.spaces else 0
+    return raw_space["agent"]["qpos"].shape[-1] + 7 + goal
+
+
+class ManiSkillObservation(gym.ObservationWrapper, RecordConstructorArgs):
     """Turns one unbatched (``CPUGymWrapper``) ManiSkill env's observation into the canonical one (numpy).
 
     Example:
@@ -193,10 +225,11 @@ class ManiSkillObservation(gym.ObservationWrapper):
     """
 
     def __init__(self, env: gym.Env, instruction: str) -> None:
-        super().__init__(env)
+        RecordConstructorArgs.__init__(self, instruction=instruction)
+        gym.ObservationWrapper.__init__(self, env)
         self.instruction = instruction
         raw_space = env.observation_space
-        state_dim = raw_space["agent"]["qpos"].shape[-1] + 7
+        state_dim = _state_dim(raw_space)
         size = next(iter(raw_space["sensor_data"].values()))["rgb"].shape[-2]
         self.observation_space = _single_obs_space(size, _camera_names(raw_space), state_dim)
 
@@ -220,11 +253,31 @@ class ManiSkillObservation(gym.ObservationWrapper):
         return obs, float(reward), bool(terminated), bool(truncated), info
 
 
+VULKAN_HINT = (
+    "SAPIEN found no working Vulkan driver ({error}). ManiSkill renders its cameras with Vulkan: a GPU machine "
+    "needs the NVIDIA driver's Vulkan ICD (libnvidia-gl; check with `vulkaninfo`), a CPU machine a Mesa >= 24.3 "
+    "lavapipe driver. Fix: run `bash .ci/install_sims.sh maniskill` (unpacks lavapipe and writes "
+    "~/.cache/phyai-gym/sim_env.sh), then `source ~/.cache/phyai-gym/sim_env.sh`, or point VK_ICD_FILENAMES "
+    "at a working ICD json (now {icd!r})."
+)
+
+
+def _gym_make(task: str, **kwargs: Any) -> gym.Env:
+    """``gym.make`` of a ManiSkill task; SAPIEN's raw Vulkan errors become a `RuntimeError` saying how to fix them."""
+    try:
+        return gym.make(task, **kwargs)
+    except RuntimeError as error:
+        if "ErrorIncompatibleDriver" not in str(error) and "vk::" not in str(error):
+            raise
+        icd = os.environ.get("VK_ICD_FILENAMES")
+        raise RuntimeError(f"make_maniskill_env: {VULKAN_HINT.format(error=error, icd=icd)}") from error
+
+
 def _make_cpu_env(task: str, instruction: str, ignore_terminations: bool, env_kwargs: dict[str, Any]) -> gym.Env:
     _import_maniskill()
     from mani_skill.utils.wrappers.gymnasium import CPUGymWrapper
 
-    env = gym.make(task, num_envs=1, sim_backend="physx_cpu", **env_kwargs)
+    env = _gym_make(task, num_envs=1, sim_backend="physx_cpu", **env_kwargs)
     return ManiSkillObservation(CPUGymWrapper(env, ignore_terminations=ignore_terminations), instruction)
 
 
@@ -256,7 +309,7 @@ class ManiSkillFreezeWrapper(VectorWrapper):
         self.instruction = instruction
         self.device = torch.device(str(base.device))
         raw_space = base.single_observation_space
-        state_dim = raw_space["agent"]["qpos"].shape[-1] + 7
+        state_dim = _state_dim(raw_space)
         size = next(iter(raw_space["sensor_data"].values()))["rgb"].shape[-2]
         self.single_observation_space = _single_obs_space(size, _camera_names(raw_space), state_dim)
         self.observation_space = gym.vector.utils.batch_space(self.single_observation_space, self.num_envs)
@@ -373,7 +426,7 @@ def make_maniskill_env(
     vectorization: Literal["auto", "maniskill", "sync", "async"] = "auto",
     render_backend: str | None = None,
     ignore_terminations: bool = False,
-    autoreset_mode: AutoresetMode | str = AutoresetMode.NEXT_STEP,
+    autoreset_mode: AutoresetMode | str | None = None,
     context: str = "forkserver",
     **env_kwargs: Any,
 ) -> VectorEnv:
@@ -382,7 +435,8 @@ def make_maniskill_env(
     Args:
         task: ManiSkill env id; PickCube-v1 and PushCube-v1 are tested, any registered id works.
         num_envs: number of parallel envs.
-        sim_backend: "gpu" (batched PhysX on CUDA), "cpu", or "auto" (gpu when CUDA is available).
+        sim_backend: "gpu" (batched PhysX on CUDA; refused without CUDA), "cpu", or "auto" (gpu when CUDA is
+            available and `vectorization` is not "sync"/"async", which run one CPU simulator per sub-env).
         image_size: camera height and width (square).
         instruction: the task instruction; default from `MANISKILL_INSTRUCTIONS` or the id.
         control_mode: ManiSkill controller, e.g. "pd_ee_delta_pose" (7-dim, the default) or "pd_joint_pos".
@@ -393,7 +447,8 @@ def make_maniskill_env(
             for ``num_envs > 1``.
         render_backend: SAPIEN render device (default "cpu" without CUDA, else ManiSkill's default).
         ignore_terminations: do not end episodes on success (only on the step limit).
-        autoreset_mode: inner Sync/AsyncVectorEnv autoreset mode ("sync"/"async" only).
+        autoreset_mode: inner Sync/AsyncVectorEnv autoreset mode ("sync"/"async" only; default NEXT_STEP for
+            "sync" and SAME_STEP for "async", whose Text observations cannot use shared memory).
         context: multiprocessing start method for "async".
         **env_kwargs: passed to ``gym.make`` (e.g. ``reconfiguration_freq``).
 
@@ -402,7 +457,8 @@ def make_maniskill_env(
 
     Raises:
         ImportError: ManiSkill3 (or SAPIEN) is not installed; names the extra to install.
-        ValueError: unknown task, bad backend/vectorization combination.
+        ValueError: unknown task, bad backend/vectorization combination, sim_backend="gpu" without CUDA.
+        RuntimeError: SAPIEN finds no working Vulkan driver (the message says how to install one).
 
     Example:
         >>> venv = make_maniskill_env("PickCube-v1", num_envs=2, sim_backend="cpu")  # doctest: +SKIP
@@ -410,16 +466,24 @@ def make_maniskill_env(
         >>> obs["images"]["image"].shape, obs["state"].shape  # doctest: +SKIP
         ((2, 224, 224, 3), (2, 16))
     """
-    if sim_backend == "auto":
-        sim_backend = "gpu" if torch.cuda.is_available() else "cpu"
-    if sim_backend not in ("gpu", "cpu"):
-        raise ValueError(f"make_maniskill_env: sim_backend must be 'gpu', 'cpu' or 'auto', got {sim_backend!r}")
-    if vectorization == "auto":
-        vectorization = "maniskill" if sim_backend == "gpu" else "sync"
-    if vectorization not in ("maniskill", "sync", "async"):
+    if vectorization not in ("auto", "maniskill", "sync", "async"):
         raise ValueError(
             f"make_maniskill_env: vectorization must be 'auto', 'maniskill', 'sync' or 'async', got {vectorization!r}"
         )
+    if sim_backend == "auto":
+        per_process = vectorization in ("sync", "async")
+        sim_backend = "gpu" if torch.cuda.is_available() and not per_process else "cpu"
+    if sim_backend not in ("gpu", "cpu"):
+        raise ValueError(f"make_maniskill_env: sim_backend must be 'gpu', 'cpu' or 'auto', got {sim_backend!r}")
+    if sim_backend == "gpu" and not torch.cuda.is_available():
+        raise ValueError(
+            "make_maniskill_env: sim_backend='gpu' runs ManiSkill's batched PhysX on CUDA, but this machine has no "
+            f"CUDA device (torch.cuda.is_available() is False, torch {torch.__version__}). Fix: pass "
+            "sim_backend='cpu' (or 'auto', which picks the CPU simulator here) with vectorization='sync' or "
+            "'async' for num_envs > 1, or run on a machine with an NVIDIA GPU and a CUDA build of torch."
+        )
+    if vectorization == "auto":
+        vectorization = "maniskill" if sim_backend == "gpu" else "sync"
     if vectorization == "maniskill" and sim_backend == "cpu" and num_envs > 1:
         raise ValueError(
             "make_maniskill_env: ManiSkill's CPU simulator runs one env per process, so vectorization='maniskill' "
@@ -455,11 +519,13 @@ def make_maniskill_env(
         from mani_skill.vector.wrappers.gymnasium import ManiSkillVectorEnv
 
         backend = "physx_cuda" if sim_backend == "gpu" else "physx_cpu"
-        env = gym.make(task, num_envs=num_envs, sim_backend=backend, **kwargs)
+        env = _gym_make(task, num_envs=num_envs, sim_backend=backend, **kwargs)
         inner = ManiSkillVectorEnv(env, auto_reset=False, ignore_terminations=ignore_terminations)
         return ManiSkillFreezeWrapper(inner, text)
 
     fn = functools.partial(_make_cpu_env, task, text, ignore_terminations, kwargs)
+    if autoreset_mode is None:
+        autoreset_mode = AutoresetMode.NEXT_STEP if vectorization == "sync" else AutoresetMode.SAME_STEP
     vector_kwargs: dict[str, Any] = {}
     if vectorization == "async":
         vector_kwargs.update(context=context, shared_memory=False)

@@ -82,7 +82,11 @@ def _protocols() -> dict[str, EvalProtocol]:
             "binarised to 2*[g > 0.5] - 1, its tasks' 3rd_view_camera where the task has one, partial resets; "
             "success_once and success_at_end both reported, success_once primary.",
             env_kinds=("maniskill",),
-            env_kwargs={"ignore_terminations": True, "gripper_binarize": True, "camera": "3rd_view_camera"},
+            env_kwargs={
+                "ignore_terminations": True,
+                "gripper_binarize": True,
+                "camera": ("3rd_view_camera", "base_camera"),
+            },
         ),
     ]
     return {p.name: p for p in items}

@@ -291,3 +291,34 @@ def test_missing_vulkan_driver_points_at_the_installer(tmp_path):
     out = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True, text=True, timeout=300)
     assert "REFUSED: make_maniskill_env: SAPIEN found no working Vulkan driver" in out.stdout, out.stderr[-2000:]
     assert "ErrorIncompatibleDriver" in out.stdout and "bash .ci/install_sims.sh maniskill" in out.stdout
+
+
+# ---------------------------------------------------------------------------------------------------------
+# issue 23 item 7: RLinf's ManiSkill conventions, on a task that ships with the wheel
+
+
+@needs_maniskill
+@pytest.mark.slow
+def test_rlinf_maniskill_protocol_conventions():
+    """RLinf's own tasks (PutOnPlateInScene*, 3rd_view_camera) need asset downloads; PickCube ships with the wheel."""
+    from phyai_gym.protocols import get_protocol
+
+    kwargs = dict(get_protocol("rlinf_maniskill", "maniskill").env_kwargs)
+    rlinf = make_env("PickCube-v1", 1, image_size=64, vectorization="sync", **kwargs)
+    plain = make_env("PickCube-v1", 1, image_size=64, vectorization="sync")
+    try:
+        assert rlinf.envs[0].get_wrapper_attr("ignore_terminations")
+        a, _ = rlinf.reset(seed=0)
+        b, _ = plain.reset(seed=0)
+        _assert_rows_equal(_row(a, 0), _row(b, 0))  # no 3rd_view_camera in PickCube: base_camera is the image
+        for command, sent in ((0.7, 1.0), (0.3, -1.0), (0.5, -1.0)):
+            action, expected = np.zeros((1, 7), np.float32), np.zeros((1, 7), np.float32)
+            action[0, 2], expected[0, 2] = 0.5, 0.5
+            action[0, -1], expected[0, -1] = command, sent
+            a = rlinf.step(action)[0]
+            b = plain.step(expected)[0]
+            _assert_rows_equal(_row(a, 0), _row(b, 0))  # the simulator got 2 * [g > 0.5] - 1
+    finally:
+        rlinf.close(), plain.close()
+    with pytest.raises(ValueError, match=r"camera must name a sensor of the task, expected one of \['3rd_view"):
+        make_env("PickCube-v1", 1, image_size=32, vectorization="sync", camera="3rd_view_camera")

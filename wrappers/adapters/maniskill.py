@@ -52,6 +52,8 @@ __all__ = [
     "ManiSkillFreezeWrapper",
     "ManiSkillObservation",
     "apply_renderer_env",
+    "binarize_gripper",
+    "camera_map",
     "make_maniskill_env",
     "maniskill_instruction",
 ]
@@ -190,13 +192,35 @@ def _single_obs_space(image_size: int, cameras: Sequence[str], state_dim: int) -
     )
 
 
-def _camera_names(raw_space: spaces.Dict) -> list[str]:
-    sensors = raw_space["sensor_data"]
-    return [CAMERAS.get(name, name) for name in sensors.spaces if "rgb" in sensors[name].spaces]
+def camera_map(raw_space: spaces.Dict, camera: str | Sequence[str] | None = None) -> dict[str, str]:
+    """ManiSkill sensor name -> canonical camera name; `camera` picks the sensor shown as ``images["image"]``.
+
+    Args:
+        raw_space: the raw (unbatched) ManiSkill observation space.
+        camera: a sensor name, or names in order of preference (the first the task has is used); None:
+            ``base_camera``. Other sensors keep their names, ``hand_camera`` becomes ``wrist_image``.
+
+    Raises:
+        ValueError: the task has none of the sensors in `camera` (the message lists the ones it has).
+    """
+    sensors = [name for name, space in raw_space["sensor_data"].spaces.items() if "rgb" in space.spaces]
+    wanted = [camera] if isinstance(camera, str) else list(camera or ["base_camera"])
+    chosen = next((name for name in wanted if name in sensors), None)
+    if chosen is None:
+        raise ValueError(
+            f"make_maniskill_env: camera must name a sensor of the task, expected one of {wanted}, the task has "
+            f"{sensors}. Fix: pass camera= one of {sensors} (or a list of preferences ending with one of them)."
+        )
+    aliases = {name: CAMERAS.get(name, name) for name in sensors if name != chosen}
+    return {chosen: "image", **{name: name if alias == "image" else alias for name, alias in aliases.items()}}
 
 
-def _canonical_parts(raw: Mapping[str, Any], tcp_pose: Any) -> tuple[dict[str, Any], Any]:
-    images = {CAMERAS.get(name, name): data["rgb"] for name, data in raw["sensor_data"].items() if "rgb" in data}
+def _camera_names(cameras: Mapping[str, str]) -> list[str]:
+    return list(cameras.values())
+
+
+def _canonical_parts(raw: Mapping[str, Any], tcp_pose: Any, cameras: Mapping[str, str]) -> tuple[dict[str, Any], Any]:
+    images = {cameras[name]: data["rgb"] for name, data in raw["sensor_data"].items() if name in cameras}
     extra = raw.get("extra", {})
     tcp = extra["tcp_pose"] if "tcp_pose" in extra else tcp_pose()
     qpos = raw["agent"]["qpos"]
@@ -224,21 +248,25 @@ class ManiSkillObservation(gym.ObservationWrapper, RecordConstructorArgs):
         ['images', 'state', 'task']
     """
 
-    def __init__(self, env: gym.Env, instruction: str) -> None:
-        RecordConstructorArgs.__init__(self, instruction=instruction)
+    def __init__(
+        self, env: gym.Env, instruction: str, camera: str | Sequence[str] | None = None, gripper_binarize: bool = False
+    ) -> None:
+        RecordConstructorArgs.__init__(self, instruction=instruction, camera=camera, gripper_binarize=gripper_binarize)
         gym.ObservationWrapper.__init__(self, env)
         self.instruction = instruction
+        self.gripper_binarize = bool(gripper_binarize)
         raw_space = env.observation_space
+        self.cameras = camera_map(raw_space, camera)
         state_dim = _state_dim(raw_space)
         size = next(iter(raw_space["sensor_data"].values()))["rgb"].shape[-2]
-        self.observation_space = _single_obs_space(size, _camera_names(raw_space), state_dim)
+        self.observation_space = _single_obs_space(size, _camera_names(self.cameras), state_dim)
 
     def _tcp_pose(self) -> np.ndarray:
         return self.env.unwrapped.agent.tcp.pose.raw_pose[0].cpu().numpy()
 
     def observation(self, observation: Mapping[str, Any]) -> dict[str, Any]:
         """Canonical observation of one env."""
-        images, state = _canonical_parts(observation, self._tcp_pose)
+        images, state = _canonical_parts(observation, self._tcp_pose, self.cameras)
         return {
             "images": {k: np.asarray(v, dtype=np.uint8) for k, v in images.items()},
             "state": state,
@@ -246,7 +274,10 @@ class ManiSkillObservation(gym.ObservationWrapper, RecordConstructorArgs):
         }
 
     def step(self, action: Any) -> tuple[Any, Any, Any, Any, dict[str, Any]]:
-        """Steps the env; adds ``info["is_success"]``."""
+        """Steps the env (gripper binarised when asked); adds ``info["is_success"]``."""
+        if self.gripper_binarize:
+            action = np.array(action, dtype=np.float32)
+            action[..., -1] = binarize_gripper(action[..., -1])
         obs, reward, terminated, truncated, info = super().step(action)
         if "success" in info:
             info["is_success"] = bool(info["success"])
@@ -273,12 +304,30 @@ def _gym_make(task: str, **kwargs: Any) -> gym.Env:
         raise RuntimeError(f"make_maniskill_env: {VULKAN_HINT.format(error=error, icd=icd)}") from error
 
 
-def _make_cpu_env(task: str, instruction: str, ignore_terminations: bool, env_kwargs: dict[str, Any]) -> gym.Env:
+def binarize_gripper(command: Any) -> Any:
+    """RLinf's gripper convention: ``2 * [g > 0.5] - 1`` (close +1 above 0.5, else open -1), numpy or torch.
+
+    Example:
+        >>> binarize_gripper(np.array([0.2, 0.5, 0.7], np.float32)).tolist()
+        [-1.0, -1.0, 1.0]
+    """
+    return 2.0 * (command > 0.5) - 1.0
+
+
+def _make_cpu_env(
+    task: str,
+    instruction: str,
+    ignore_terminations: bool,
+    env_kwargs: dict[str, Any],
+    camera: str | Sequence[str] | None = None,
+    gripper_binarize: bool = False,
+) -> gym.Env:
     _import_maniskill()
     from mani_skill.utils.wrappers.gymnasium import CPUGymWrapper
 
     env = _gym_make(task, num_envs=1, sim_backend="physx_cpu", **env_kwargs)
-    return ManiSkillObservation(CPUGymWrapper(env, ignore_terminations=ignore_terminations), instruction)
+    inner = CPUGymWrapper(env, ignore_terminations=ignore_terminations)
+    return ManiSkillObservation(inner, instruction, camera=camera, gripper_binarize=gripper_binarize)
 
 
 def _rows(value: Any, num_envs: int) -> bool:
@@ -303,15 +352,23 @@ class ManiSkillFreezeWrapper(VectorWrapper):
         (True, True)
     """
 
-    def __init__(self, env: VectorEnv, instruction: str) -> None:
+    def __init__(
+        self,
+        env: VectorEnv,
+        instruction: str,
+        camera: str | Sequence[str] | None = None,
+        gripper_binarize: bool = False,
+    ) -> None:
         super().__init__(env)
         base = env.unwrapped
         self.instruction = instruction
+        self.gripper_binarize = bool(gripper_binarize)
         self.device = torch.device(str(base.device))
         raw_space = base.single_observation_space
+        self.cameras = camera_map(raw_space, camera)
         state_dim = _state_dim(raw_space)
         size = next(iter(raw_space["sensor_data"].values()))["rgb"].shape[-2]
-        self.single_observation_space = _single_obs_space(size, _camera_names(raw_space), state_dim)
+        self.single_observation_space = _single_obs_space(size, _camera_names(self.cameras), state_dim)
         self.observation_space = gym.vector.utils.batch_space(self.single_observation_space, self.num_envs)
         self.metadata = {**env.metadata, "autoreset_mode": AutoresetMode.DISABLED, FREEZABLE_KEY: True}
         self._freezing = False
@@ -330,7 +387,7 @@ class ManiSkillFreezeWrapper(VectorWrapper):
 
     def _canonical(self, raw: Mapping[str, Any]) -> dict[str, Any]:
         base = self.env.unwrapped
-        images, state = _canonical_parts(raw, lambda: base.agent.tcp.pose.raw_pose)
+        images, state = _canonical_parts(raw, lambda: base.agent.tcp.pose.raw_pose, self.cameras)
         return {"images": dict(images), "state": state, "task": (self.instruction,) * self.num_envs}
 
     def _merge(self, obs: dict[str, Any], info: dict[str, Any], keep: torch.Tensor) -> None:
@@ -372,6 +429,9 @@ class ManiSkillFreezeWrapper(VectorWrapper):
     def step(self, actions: Any) -> tuple[dict[str, Any], torch.Tensor, torch.Tensor, torch.Tensor, dict[str, Any]]:
         """Steps every env; frozen rows replay their terminal transition with reward 0."""
         actions = torch.as_tensor(actions, dtype=torch.float32, device=self.device)
+        if self.gripper_binarize:
+            actions = actions.clone()
+            actions[..., -1] = binarize_gripper(actions[..., -1]).float()
         raw, reward, terminated, truncated, info = self.env.step(actions)
         obs, info = self._canonical(raw), self._info(info)
         frozen = self._frozen
@@ -426,6 +486,8 @@ def make_maniskill_env(
     vectorization: Literal["auto", "maniskill", "sync", "async"] = "auto",
     render_backend: str | None = None,
     ignore_terminations: bool = False,
+    camera: str | Sequence[str] | None = None,
+    gripper_binarize: bool = False,
     autoreset_mode: AutoresetMode | str | None = None,
     context: str = "forkserver",
     **env_kwargs: Any,
@@ -446,7 +508,11 @@ def make_maniskill_env(
             CPUGymWrapper env per sub-env; the "auto" choice on CPU). The CPU simulator needs "sync"/"async"
             for ``num_envs > 1``.
         render_backend: SAPIEN render device (default "cpu" without CUDA, else ManiSkill's default).
-        ignore_terminations: do not end episodes on success (only on the step limit).
+        ignore_terminations: do not end episodes on success (only on the step limit; RLinf's convention, with
+            ``success_once`` and ``success_at_end`` both reported by `PolicyVectorEnv`'s episode statistics).
+        camera: the sensor shown as ``images["image"]``, or sensors in order of preference (RLinf's tasks use
+            ``3rd_view_camera``; the tasks in the wheel have ``base_camera``); None: ``base_camera``.
+        gripper_binarize: map the last action dim to ``2 * [g > 0.5] - 1`` before the simulator (RLinf).
         autoreset_mode: inner Sync/AsyncVectorEnv autoreset mode ("sync"/"async" only; default NEXT_STEP for
             "sync" and SAME_STEP for "async", whose Text observations cannot use shared memory).
         context: multiprocessing start method for "async".
@@ -521,9 +587,9 @@ def make_maniskill_env(
         backend = "physx_cuda" if sim_backend == "gpu" else "physx_cpu"
         env = _gym_make(task, num_envs=num_envs, sim_backend=backend, **kwargs)
         inner = ManiSkillVectorEnv(env, auto_reset=False, ignore_terminations=ignore_terminations)
-        return ManiSkillFreezeWrapper(inner, text)
+        return ManiSkillFreezeWrapper(inner, text, camera=camera, gripper_binarize=gripper_binarize)
 
-    fn = functools.partial(_make_cpu_env, task, text, ignore_terminations, kwargs)
+    fn = functools.partial(_make_cpu_env, task, text, ignore_terminations, kwargs, camera, gripper_binarize)
     if autoreset_mode is None:
         autoreset_mode = AutoresetMode.NEXT_STEP if vectorization == "sync" else AutoresetMode.SAME_STEP
     vector_kwargs: dict[str, Any] = {}

@@ -70,9 +70,10 @@ def _protocols() -> dict[str, EvalProtocol]:
         EvalProtocol(
             "lerobot_libero",
             "LeRobot lerobot-eval on its LIBERO env: cameras rendered at 360 (LeRobot's default observation size; "
-            "the policy's processor resizes), seeded per episode, initial states cycled per reset, 10 settle "
-            "no-ops, TASK_SUITE_MAX_STEPS (spatial and object 280, goal 300, libero_10 520, libero_90 400), the "
-            "policy's n_action_steps, success = is_success at any step.",
+            "the policy's processor resizes), fixed initial states, 10 settle no-ops, TASK_SUITE_MAX_STEPS "
+            "(spatial and object 280, goal 300, libero_10 520, libero_90 400), the policy's n_action_steps, "
+            "success = is_success at any step. Scenes are seeded per episode by phyai-gym's rule, not by "
+            "lerobot-eval's seed numbering (not reproduced bit for bit).",
             env_kinds=("libero",),
             env_kwargs={"preset": "lerobot", "image_size": 360},
         ),

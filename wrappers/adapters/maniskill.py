@@ -541,6 +541,11 @@ def make_maniskill_env(
         sim_backend = "gpu" if torch.cuda.is_available() and not per_process else "cpu"
     if sim_backend not in ("gpu", "cpu"):
         raise ValueError(f"make_maniskill_env: sim_backend must be 'gpu', 'cpu' or 'auto', got {sim_backend!r}")
+    if sim_backend == "gpu" and vectorization not in ("auto", "maniskill"):
+        raise ValueError(
+            "make_maniskill_env: the GPU simulator is batched; sim_backend='gpu' expects vectorization='maniskill', "
+            f"got vectorization={vectorization!r}."
+        )
     if sim_backend == "gpu" and not torch.cuda.is_available():
         raise ValueError(
             "make_maniskill_env: sim_backend='gpu' runs ManiSkill's batched PhysX on CUDA, but this machine has no "
@@ -555,11 +560,6 @@ def make_maniskill_env(
             "make_maniskill_env: ManiSkill's CPU simulator runs one env per process, so vectorization='maniskill' "
             f"with sim_backend='cpu' expects num_envs=1, got num_envs={num_envs}; use vectorization='sync' "
             "or 'async' for num_envs > 1 on CPU."
-        )
-    if sim_backend == "gpu" and vectorization != "maniskill":
-        raise ValueError(
-            "make_maniskill_env: the GPU simulator is batched; sim_backend='gpu' expects vectorization='maniskill', "
-            f"got vectorization={vectorization!r}."
         )
     if num_envs < 1:
         raise ValueError(f"make_maniskill_env: num_envs must be >= 1, got {num_envs}")

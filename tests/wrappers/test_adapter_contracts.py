@@ -131,25 +131,30 @@ def test_every_instructed_task_declares_where_its_goal_is_seen():
 @pytest.mark.slow
 @pytest.mark.parametrize("task", _goal_cases())
 def test_the_goal_is_in_the_state_or_visible_in_the_image(task):
-    """Segmentation of the very camera the adapter uses tells which actors the policy can see."""
+    """Segmentation of the very camera the adapter uses (at its default 224x224) tells which actors the policy
+    can see, for several scene seeds."""
     from wrappers.adapters.maniskill import GOAL_OBSERVATION, make_maniskill_env
 
     where, attribute = GOAL_OBSERVATION[task]
-    venv = make_maniskill_env(task, num_envs=1, sim_backend="cpu", vectorization="sync", image_size=128,
+    venv = make_maniskill_env(task, num_envs=1, sim_backend="cpu", vectorization="sync",
                               obs_mode="rgb+segmentation")  # fmt: skip
     try:
-        obs, _ = venv.reset(seed=0)
-        base = venv.envs[0].unwrapped
-        goal = getattr(base, attribute)
-        ids = np.asarray(goal.per_scene_id.cpu()).reshape(-1)
-        raw = base.get_obs()
-        seen = np.isin(raw["sensor_data"]["base_camera"]["segmentation"].cpu().numpy(), ids).sum()
-        if where == "image":
-            assert seen > 20, f"{task}: {attribute} covers {seen} pixels of base_camera"
-        else:
-            assert seen == 0  # ManiSkill hides the marker from the cameras ...
-            goal_pos = goal.pose.p[0].cpu().numpy()
-            np.testing.assert_allclose(obs["state"][0][-3:], goal_pos, atol=1e-6)  # ... so the state carries it
+        pixels = []
+        for seed in range(4):
+            obs, _ = venv.reset(seed=seed)
+            base = venv.envs[0].unwrapped
+            goal = getattr(base, attribute)
+            ids = np.asarray(goal.per_scene_id.cpu()).reshape(-1)
+            raw = base.get_obs()
+            seen = np.isin(raw["sensor_data"]["base_camera"]["segmentation"].cpu().numpy(), ids).sum()
+            pixels.append(int(seen))
+            if where == "image":
+                assert seen >= 10, f"{task} seed {seed}: {attribute} covers {seen} pixels of base_camera"
+            else:  # hidden from (or out of view of) the cameras on some seed, so the state carries it
+                goal_pos = goal.pose.p[0].cpu().numpy()
+                np.testing.assert_allclose(obs["state"][0][-3:], goal_pos, atol=1e-6)
+        if where == "state":
+            assert min(pixels) == 0, pixels  # the image alone would not show the goal on some seed
     finally:
         venv.close()
 

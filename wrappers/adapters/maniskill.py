@@ -12,11 +12,11 @@ Two ways to vectorise, both freezable (DESIGN C2):
 
 Canonical observation: ``images["image"]`` = the task's ``base_camera`` RGB (``images["wrist_image"]`` =
 ``hand_camera`` with ``robot_uids="panda_wristcam"``), uint8 (N, S, S, 3), upright as ManiSkill renders it;
-``state`` = ``agent/qpos`` (9 for Panda) + ``extra/tcp_pose`` (position 3 + quaternion wxyz 4), then
-``extra/goal_pos`` (3) for the tasks that report it in their camera observation modes -- exactly the tasks
-that hide their goal marker from the cameras (PickCube-v1, PickSingleYCB-v1), so the goal is observable;
-float32. Where the goal is something the cameras see, it stays in the image (`GOAL_OBSERVATION` says which,
-per task). ``task`` = the instruction per env. Success comes from ``info["success"]`` (also reported as
+``state`` = ``agent/qpos`` (9 for Panda) + ``extra/tcp_pose`` (position 3 + quaternion wxyz 4), then the
+goal position (3) for the tasks whose goal the cameras do not show: PickCube-v1 and PickSingleYCB-v1 hide
+their goal marker from the sensors, and RollBall-v1's goal region is often outside ``base_camera``'s view;
+float32. Every other task in `MANISKILL_INSTRUCTIONS` shows its goal in the image (`GOAL_OBSERVATION` says
+which, per task). ``task`` = the instruction per env. Success comes from ``info["success"]`` (also reported as
 ``info["is_success"]``); an episode terminates on success and is truncated at the task's step limit.
 
 Rendering without a GPU needs Vulkan: SAPIEN accepts Mesa >= 24.3 lavapipe. ``.ci/install_sims.sh``
@@ -87,15 +87,15 @@ GOAL_OBSERVATION: dict[str, tuple[str, str]] = {
     "LiftPegUpright-v1": ("image", "peg"),
     "PokeCube-v1": ("image", "goal_region"),
     "PlaceSphere-v1": ("image", "bin"),
-    "RollBall-v1": ("image", "goal_region"),
+    "RollBall-v1": ("state", "goal_region"),
     "PushT-v1": ("image", "goal_tee"),
     "PickSingleYCB-v1": ("state", "goal_site"),
 }
-"""Task id -> (where the policy sees the goal, the task's goal actor attribute). "state": the goal marker is
-hidden from the cameras and its position ends the state vector (``extra/goal_pos``); "image": the actor is
-rendered in the camera images (LiftPegUpright's goal is the peg's own orientation)."""
-GOAL_KEY = "goal_pos"
-"""``extra`` entry appended to the state when a task reports it in its camera observation modes."""
+"""Task id -> (where the policy sees the goal, the task's goal actor attribute). "state": the cameras do not
+show the goal (a marker hidden from the sensors, or out of view), so the actor's position ends the state vector
+(for PickCube it equals ``extra/goal_pos``); "image": the actor is in the camera images (LiftPegUpright's goal
+is the peg's own orientation). Tasks not listed get qpos + tcp pose only."""
+GOAL_STATE_DIM = 3
 CAMERAS: dict[str, str] = {"base_camera": "image", "hand_camera": "wrist_image"}
 """ManiSkill sensor name -> canonical camera name (other sensors keep their own name)."""
 TASK_CHARSET = frozenset(string.printable)
@@ -219,12 +219,27 @@ def _camera_names(cameras: Mapping[str, str]) -> list[str]:
     return list(cameras.values())
 
 
-def _canonical_parts(raw: Mapping[str, Any], tcp_pose: Any, cameras: Mapping[str, str]) -> tuple[dict[str, Any], Any]:
+def _goal_reader(base: Any, task: str, first_row: bool) -> Any:
+    """Reads the position (N, 3) of `task`'s goal actor, or its row 0 as numpy; None when the cameras show the goal.
+
+    The actor is looked up on every call: a reconfiguring ManiSkill env builds new actors.
+    """
+    where, attribute = GOAL_OBSERVATION.get(task, ("image", ""))
+    if where != "state":
+        return None
+    if first_row:
+        return lambda: getattr(base, attribute).pose.p[0].cpu().numpy()
+    return lambda: getattr(base, attribute).pose.p
+
+
+def _canonical_parts(
+    raw: Mapping[str, Any], tcp_pose: Any, cameras: Mapping[str, str], goal: Any = None
+) -> tuple[dict[str, Any], Any]:
     images = {cameras[name]: data["rgb"] for name, data in raw["sensor_data"].items() if name in cameras}
     extra = raw.get("extra", {})
     tcp = extra["tcp_pose"] if "tcp_pose" in extra else tcp_pose()
     qpos = raw["agent"]["qpos"]
-    parts = [tcp] + ([extra[GOAL_KEY]] if GOAL_KEY in extra else [])
+    parts = [tcp] + ([goal()] if goal is not None else [])
     if isinstance(qpos, torch.Tensor):
         state = torch.cat([qpos.float(), *(torch.as_tensor(p, device=qpos.device).float() for p in parts)], dim=-1)
     else:
@@ -233,10 +248,8 @@ def _canonical_parts(raw: Mapping[str, Any], tcp_pose: Any, cameras: Mapping[str
     return images, state
 
 
-def _state_dim(raw_space: spaces.Dict) -> int:
-    extra = raw_space.spaces.get("extra")
-    goal = extra[GOAL_KEY].shape[-1] if isinstance(extra, spaces.Dict) and GOAL_KEY in extra.spaces else 0
-    return raw_space["agent"]["qpos"].shape[-1] + 7 + goal
+def _state_dim(raw_space: spaces.Dict, goal: Any) -> int:
+    return raw_space["agent"]["qpos"].shape[-1] + 7 + (GOAL_STATE_DIM if goal is not None else 0)
 
 
 class ManiSkillObservation(gym.ObservationWrapper, RecordConstructorArgs):
@@ -257,7 +270,9 @@ class ManiSkillObservation(gym.ObservationWrapper, RecordConstructorArgs):
         self.gripper_binarize = bool(gripper_binarize)
         raw_space = env.observation_space
         self.cameras = camera_map(raw_space, camera)
-        state_dim = _state_dim(raw_space)
+        spec = env.unwrapped.spec
+        self._goal = _goal_reader(env.unwrapped, spec.id if spec is not None else "", first_row=True)
+        state_dim = _state_dim(raw_space, self._goal)
         size = next(iter(raw_space["sensor_data"].values()))["rgb"].shape[-2]
         self.observation_space = _single_obs_space(size, _camera_names(self.cameras), state_dim)
 
@@ -266,7 +281,7 @@ class ManiSkillObservation(gym.ObservationWrapper, RecordConstructorArgs):
 
     def observation(self, observation: Mapping[str, Any]) -> dict[str, Any]:
         """Canonical observation of one env."""
-        images, state = _canonical_parts(observation, self._tcp_pose, self.cameras)
+        images, state = _canonical_parts(observation, self._tcp_pose, self.cameras, self._goal)
         return {
             "images": {k: np.asarray(v, dtype=np.uint8) for k, v in images.items()},
             "state": state,
@@ -366,7 +381,8 @@ class ManiSkillFreezeWrapper(VectorWrapper):
         self.device = torch.device(str(base.device))
         raw_space = base.single_observation_space
         self.cameras = camera_map(raw_space, camera)
-        state_dim = _state_dim(raw_space)
+        self._goal = _goal_reader(base, base.spec.id if base.spec is not None else "", first_row=False)
+        state_dim = _state_dim(raw_space, self._goal)
         size = next(iter(raw_space["sensor_data"].values()))["rgb"].shape[-2]
         self.single_observation_space = _single_obs_space(size, _camera_names(self.cameras), state_dim)
         self.observation_space = gym.vector.utils.batch_space(self.single_observation_space, self.num_envs)
@@ -387,7 +403,7 @@ class ManiSkillFreezeWrapper(VectorWrapper):
 
     def _canonical(self, raw: Mapping[str, Any]) -> dict[str, Any]:
         base = self.env.unwrapped
-        images, state = _canonical_parts(raw, lambda: base.agent.tcp.pose.raw_pose, self.cameras)
+        images, state = _canonical_parts(raw, lambda: base.agent.tcp.pose.raw_pose, self.cameras, self._goal)
         return {"images": dict(images), "state": state, "task": (self.instruction,) * self.num_envs}
 
     def _merge(self, obs: dict[str, Any], info: dict[str, Any], keep: torch.Tensor) -> None:

@@ -133,6 +133,7 @@ def test_success_on_a_scripted_pick():
     must end in ManiSkill's own success, terminate, and then freeze. (ManiSkill's motion-planning solution
     solvePickCube needs mplib 0.1.1, which segfaults in Planner() here, so the test scripts the pick.)"""
     env = make_maniskill_env("PickCube-v1", sim_backend="cpu", image_size=64, max_episode_steps=200)
+    start_freezing(env)  # as PolicyVectorEnv does; a plain env would autoreset instead
     try:
         env.reset(seed=11)
         base = env.envs[0].unwrapped

@@ -11,6 +11,7 @@ the simulators are imported inside the handlers, so that ``phyai-gym --help`` is
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import functools
 import sys
 from collections.abc import Sequence
@@ -56,7 +57,10 @@ def _add_run_parser(subparsers: Any) -> None:
 def _add_eval_parser(subparsers: Any) -> None:
     parser = subparsers.add_parser("eval", help="success rates over a fixed, resumable episode plan")
     _add_policy_env_arguments(parser, default_env=None)
-    parser.add_argument("--episodes", type=int, required=True, help="episodes per task")
+    parser.add_argument("--episodes", type=int, default=None, help="episodes per task (default: the protocol's)")
+    parser.add_argument(
+        "--protocol", default=None, help="evaluation protocol (phyai_gym.protocols; default: the preset's, else phyai)"
+    )
     parser.add_argument("--out", default=None, help="folder for episodes.jsonl, results.csv, videos (resumable)")
     parser.add_argument("--video", type=int, default=0, help="MP4s of the first K episodes (needs --out)")
     parser.add_argument("--stochastic", action="store_true", help="sample with the rollout method (default: ODE)")
@@ -104,6 +108,7 @@ def _eval(args: argparse.Namespace) -> int:
 
     from phyai_gym.evaluation import evaluate_success, file_sha256, format_table, project_commit
     from phyai_gym.make import MODEL_FILE, check_checkpoint, check_preset, resolve_env
+    from phyai_gym.protocols import get_protocol, protocol_for_preset
     from phyai_gym.run import action_chunk_for, build_env, build_policy
     from phyai_gym.threads import configure_threads
     from policies.checks import check_int
@@ -117,14 +122,18 @@ def _eval(args: argparse.Namespace) -> int:
     check_int("--video", args.video, 0, fix="the number of episodes to film (0: none)")
     if args.video and args.out is None:
         raise ValueError("conflicting options: --video needs --out DIR (the videos are written there).")
-    if args.episodes < 1:
-        raise ValueError(f"--episodes: expected >= 1, got {args.episodes}.")
     if args.max_episodes_this_run is not None:
         check_int("--max-episodes-this-run", args.max_episodes_this_run, 1, fix="or leave it out to run them all")
     kind = resolve_env(args.env).kind
+    check_preset(args.preset)
+    protocol = get_protocol(args.protocol, kind) if args.protocol else protocol_for_preset(args.preset, kind)
+    episodes = args.episodes if args.episodes is not None else protocol.episodes_per_task
+    if episodes is None:
+        raise ValueError(f"--episodes: required with --protocol {protocol.name} (it fixes no trial count).")
+    if episodes < 1:
+        raise ValueError(f"--episodes: expected >= 1, got {episodes}.")
     if args.task_ids is not None and kind != "libero":
         raise ValueError(f"conflicting options: --task-ids applies to LIBERO suites, not --env {args.env!r}.")
-    check_preset(args.preset)
     sha = "none (random weights)"
     if args.checkpoint is not None:
         root = check_checkpoint(args.checkpoint, "--checkpoint")
@@ -132,10 +141,12 @@ def _eval(args: argparse.Namespace) -> int:
         sha = file_sha256(weights)
     cfg = _config(args)
     threads = configure_threads(args.threads, device=args.device, small_model=args.checkpoint is None)
-    env_kwargs = {}
+    if cfg.action_chunk is None and protocol.action_chunk is not None:
+        cfg = dataclasses.replace(cfg, action_chunk=protocol.action_chunk)
+    env_kwargs = dict(protocol.env_kwargs)
     if args.task_ids is not None:
         env_kwargs["task_ids"] = [int(t) for t in args.task_ids.split(",")]
-    env = build_env(cfg, args.preset) if not env_kwargs else _libero_env(cfg, env_kwargs)
+    env = build_env(cfg, args.preset) if not env_kwargs else _protocol_env(cfg, env_kwargs)
     if args.video:
         env = FrameRecorder(env)  # every env step, not one frame per chunk
     try:
@@ -148,7 +159,9 @@ def _eval(args: argparse.Namespace) -> int:
     limit, settle = _episode_limits(env)
     header = {
         "env": args.env,
-        "policy": description,
+        "policy": args.policy or "checkpoint",
+        "policy_description": description,
+        "protocol": protocol.name,
         "checkpoint": args.checkpoint,
         "checkpoint_sha256": sha,
         "preset": getattr(getattr(policy, "processor", None), "config", None) and policy.processor.config.preset,
@@ -161,16 +174,18 @@ def _eval(args: argparse.Namespace) -> int:
     }
     print(threads)
     print(f"policy: {description}")
-    print(f"env={args.env} num_envs={args.num_envs} action_chunk={chunk} episodes per task={args.episodes}")
+    print(f"protocol: {protocol.name} (primary metric: {protocol.primary_metric})")
+    print(f"env={args.env} num_envs={args.num_envs} action_chunk={chunk} episodes per task={episodes}")
     bar = functools.partial(tqdm, desc="episodes", unit="ep", file=sys.stderr, dynamic_ncols=True)
     interrupted = False
     try:
         result = evaluate_success(
             wrapper,
-            args.episodes,
+            episodes,
             header=header,
             out_dir=args.out,
             seed=args.seed,
+            primary_metric=protocol.primary_metric,
             init_state_option=kind == "libero",
             max_episodes_this_run=args.max_episodes_this_run,
             video_episodes=args.video,
@@ -185,7 +200,7 @@ def _eval(args: argparse.Namespace) -> int:
         print(f"interrupted; finished episodes {where}; run the same command again to resume.")
         return 130
     print(format_table(result))
-    planned = len(result.header["tasks"]) * args.episodes
+    planned = len(result.header["tasks"]) * episodes
     status = "complete" if result.complete else f"partial ({len(result.rows)}/{planned}; rerun to resume)"
     print(f"episodes: {status}")
     print(written_files(result))
@@ -204,10 +219,13 @@ def written_files(result: Any) -> str:
     return "\n".join(lines)
 
 
-def _libero_env(cfg: RunConfig, kwargs: dict[str, Any]) -> Any:
+def _protocol_env(cfg: RunConfig, kwargs: dict[str, Any]) -> Any:
+    """The env with the protocol's (and --task-ids') adapter arguments; --image-size still wins."""
     from phyai_gym.make import make_env
 
-    return make_env(cfg.env, cfg.num_envs, image_size=cfg.image_size, max_episode_steps=cfg.max_episode_steps,
+    if cfg.image_size is not None:
+        kwargs["image_size"] = cfg.image_size
+    return make_env(cfg.env, cfg.num_envs, max_episode_steps=cfg.max_episode_steps,
                     vectorization=cfg.vectorization, **kwargs)  # fmt: skip
 
 

@@ -7,8 +7,12 @@ and the slot's policy stream are reset with the episode's seed, so an episode's 
 the slot or the run that played it. Each finished
 episode is appended (and flushed) to ``episodes.jsonl`` at once, so an interrupted run resumes per
 episode: a restart reads the file, skips the finished ids and runs only the rest -- no repeats, no losses.
-The first line of the file is a header (checkpoint sha256, preset, C, episode limit, settle steps, seed,
-project commit); a restart with different settings is refused.
+The first line of the file is a header (policy, checkpoint sha256, preset, protocol, C, episode limit, settle
+steps, seed, env, tasks, project commit); a restart whose defining fields differ is refused, naming the field.
+
+Every row holds both success conventions: ``success_once`` (success at any step of the episode) and
+``success_at_end`` (success at its last step; ManiSkill reports both). The protocol names its primary metric
+(``header["primary_metric"]``), which is the row's ``success`` and the table's success rate.
 """
 
 from __future__ import annotations
@@ -33,8 +37,23 @@ from wrappers import FrameRecorder, PolicyVectorEnv
 EPISODES_FILE = "episodes.jsonl"
 RESULTS_FILE = "results.csv"
 PLOT_FILE = "success.png"
-HEADER_KEYS_CHECKED = ("env", "checkpoint_sha256", "preset", "action_chunk", "episode_limit", "seed", "deterministic")
-"""Header fields that must match for a restart to resume into an existing file."""
+HEADER_KEYS_CHECKED = (
+    "env",
+    "tasks",
+    "policy",
+    "checkpoint_sha256",
+    "preset",
+    "protocol",
+    "primary_metric",
+    "action_chunk",
+    "episode_limit",
+    "settle_steps",
+    "seed",
+    "deterministic",
+)
+"""Header fields that define a run: all must match for a restart to resume into an existing file."""
+SUCCESS_METRICS = ("success_once", "success_at_end")
+"""The success conventions every row reports; a protocol picks one as its primary metric."""
 
 
 @dataclass(frozen=True)
@@ -112,12 +131,14 @@ class TaskResult:
     Attributes:
         task: the task instruction, or "overall".
         episodes: finished episodes.
-        successes: of which succeeded.
+        successes: of which succeeded by the primary metric.
         success_rate: successes / episodes (nan without episodes).
         ci_low: Wilson 95 % lower bound.
         ci_high: Wilson 95 % upper bound.
         mean_return: mean episode return.
         mean_length: mean episode length in env steps.
+        success_once: rate of episodes that succeeded at any step.
+        success_at_end: rate of episodes that succeeded at their last step.
     """
 
     task: str
@@ -128,6 +149,8 @@ class TaskResult:
     ci_high: float
     mean_return: float
     mean_length: float
+    success_once: float = float("nan")
+    success_at_end: float = float("nan")
 
 
 @dataclass
@@ -163,22 +186,34 @@ def summarize(rows: Sequence[dict[str, Any]], tasks: Sequence[str]) -> tuple[lis
     def one(name: str, group: Sequence[dict[str, Any]]) -> TaskResult:
         n, k = len(group), sum(bool(r["success"]) for r in group)
         low, high = wilson_interval(k, n)
-        mean = lambda key: float(np.mean([r[key] for r in group])) if group else float("nan")
-        return TaskResult(name, n, k, k / n if n else float("nan"), low, high, mean("return"), mean("length"))
+        mean = lambda key: float(np.mean([r.get(key, np.nan) for r in group])) if group else float("nan")
+        rate = k / n if n else float("nan")
+        return TaskResult(
+            name, n, k, rate, low, high, mean("return"), mean("length"), mean("success_once"), mean("success_at_end")
+        )
 
     per_task = [one(t, [r for r in rows if r["task"] == t]) for t in tasks]
     return per_task, one("overall", rows)
 
 
 def format_table(result: EvalResult) -> str:
-    """The results table as text (one line per task, then overall)."""
-    lines = [f"{'task':<48} {'episodes':>8} {'success':>8} {'95% CI (Wilson)':>17} {'return':>8} {'length':>7}"]
-    lines.append("-" * len(lines[0]))
+    """The results table as text: the protocol and its primary metric, one line per task, then overall.
+
+    ``success`` (with its Wilson interval) is the primary metric; ``once`` and ``at end`` are both conventions.
+    """
+    protocol = result.header.get("protocol", "unnamed")
+    primary = result.header.get("primary_metric", "success_once")
+    lines = [f"protocol: {protocol} (primary metric: {primary})"]
+    lines.append(
+        f"{'task':<48} {'episodes':>8} {'success':>8} {'95% CI (Wilson)':>17} {'once':>6} {'at end':>6} "
+        f"{'return':>8} {'length':>7}"
+    )
+    lines.append("-" * len(lines[1]))
     for r in [*result.tasks, result.overall]:
         name = r.task if len(r.task) <= 48 else r.task[:45] + "..."
         lines.append(
             f"{name:<48} {r.episodes:>8d} {r.success_rate:>8.3f} [{r.ci_low:>6.3f}, {r.ci_high:>6.3f}] "
-            f"{r.mean_return:>8.3f} {r.mean_length:>7.1f}"
+            f"{r.success_once:>6.3f} {r.success_at_end:>6.3f} {r.mean_return:>8.3f} {r.mean_length:>7.1f}"
         )
     return "\n".join(lines)
 
@@ -210,11 +245,15 @@ def read_jsonl(path: Path) -> tuple[dict[str, Any] | None, list[dict[str, Any]]]
 
 
 def _check_resume(old: dict[str, Any], new: dict[str, Any], path: Path) -> None:
-    diffs = [f"{k}: {old.get(k)!r} -> {new.get(k)!r}" for k in HEADER_KEYS_CHECKED if old.get(k) != new.get(k)]
-    if diffs:
+    """Refuses to resume into `path` unless every field of `HEADER_KEYS_CHECKED` matches (JSON-normalised)."""
+    new = json.loads(json.dumps(new))  # tuples -> lists, as the file holds them
+    differing = [k for k in HEADER_KEYS_CHECKED if old.get(k) != new.get(k)]
+    if differing:
+        details = "; ".join(f"{k}: file has {old.get(k)!r}, this run has {new.get(k)!r}" for k in differing)
         raise ValueError(
-            f"{path} holds episodes of a different run ({'; '.join(diffs)}). Fix: use another --out folder, "
-            "or delete the file to start over."
+            f"resume: {path} holds episodes of a different run; field(s) {', '.join(differing)} differ ({details}). "
+            "Episodes of two runs would be mixed under one header. Fix: use another --out folder, run with the "
+            "file's settings, or delete the file to start over."
         )
 
 
@@ -225,6 +264,7 @@ def evaluate_success(
     header: dict[str, Any] | None = None,
     out_dir: str | Path | None = None,
     seed: int = 0,
+    primary_metric: str = "success_once",
     init_state_option: bool = False,
     max_episodes_this_run: int | None = None,
     video_episodes: int = 0,
@@ -236,9 +276,12 @@ def evaluate_success(
     Args:
         env: the policy vector env (its ``deterministic`` flag decides the sampling).
         episodes_per_task: episodes of every task the env's slots run.
-        header: run metadata for the JSONL header (seed and tasks are added).
+        header: run metadata for the JSONL header (seed, tasks and the primary metric are added); include
+            ``protocol`` (the evaluation protocol's name) so that results of two protocols never mix.
         out_dir: folder for ``episodes.jsonl``/``results.csv``/videos; an existing JSONL is resumed.
         seed: base seed of the plan (episode e resets with ``seed + e``).
+        primary_metric: "success_once" (success at any step, openpi/LeRobot LIBERO) or "success_at_end" (at the
+            last step); both are reported, this one is the row's ``success`` and the table's success rate.
         init_state_option: pass ``options={"init_state_id": ...}`` on resets (LIBERO's fixed initial states).
         max_episodes_this_run: stop after this many new episodes (the rest resumes on the next call).
         video_episodes: write an MP4 (every env step, at the env's frame rate) of the episodes with ids below
@@ -259,6 +302,8 @@ def evaluate_success(
         >>> result.overall.episodes, result.complete
         (4, True)
     """
+    if primary_metric not in SUCCESS_METRICS:
+        raise ValueError(f"evaluate_success: primary_metric must be one of {SUCCESS_METRICS}, got {primary_metric!r}.")
     n = env.num_envs
     recorder = _find_recorder(env) if video_episodes > 0 else None
     if video_episodes > 0 and recorder is None:
@@ -270,7 +315,14 @@ def evaluate_success(
     slot_task = [str(t) for t in obs["task"]]
     tasks = list(dict.fromkeys(slot_task))
     plan = plan_episodes(tasks, episodes_per_task, seed)
-    header = {"type": "header", **(header or {}), "seed": seed, "tasks": tasks, "episodes_per_task": episodes_per_task}
+    header = {
+        "type": "header",
+        **(header or {}),
+        "primary_metric": primary_metric,
+        "seed": seed,
+        "tasks": tasks,
+        "episodes_per_task": episodes_per_task,
+    }
     out = Path(out_dir) if out_dir is not None else None
     rows: list[dict[str, Any]] = []
     handle = None
@@ -338,10 +390,12 @@ def evaluate_success(
                 if not ended[slot] or new_rows >= budget:
                     continue
                 stats = infos["episode"]
+                flags = {k: bool(np.asarray(stats[k])[slot]) for k in SUCCESS_METRICS}
                 row = {
                     "type": "episode",
                     **asdict(episode),
-                    "success": bool(np.asarray(stats["success_once"])[slot]),
+                    "success": flags[primary_metric],
+                    **flags,
                     "return": float(np.asarray(stats["r"])[slot]),
                     "length": int(np.asarray(stats["l"])[slot]),
                     "slot": slot,

@@ -102,7 +102,7 @@ def make_env(
     *,
     image_size: int | None = None,
     max_episode_steps: int | None = None,
-    vectorization: str = "sync",
+    vectorization: str | None = None,
     **kwargs: Any,
 ) -> VectorEnv:
     """A freezable vector env yielding canonical observations (DESIGN C1), from a name.
@@ -112,7 +112,9 @@ def make_env(
         num_envs: N.
         image_size: rendered image side (default: 224 for simulators, the test envs' own default otherwise).
         max_episode_steps: override of the episode limit (None: the env's own).
-        vectorization: "sync" or "async".
+        vectorization: "sync" or "async" (ManiSkill also "maniskill", its batched GPU env); None: the adapter's
+            default ("sync"; ManiSkill: "maniskill" on a CUDA machine, else "sync"). Every value is honoured or
+            refused by the adapter.
         **kwargs: passed to the adapter (e.g. ``num_targets`` for "target", ``task_ids`` for LIBERO).
 
     Raises:
@@ -127,6 +129,8 @@ def make_env(
     """
     spec = resolve_env(name)
     size = {} if image_size is None else {"image_size": image_size}
+    if vectorization is None:
+        vectorization = "auto" if spec.kind == "maniskill" else "sync"
     if spec.kind == "scripted":
         from wrappers.adapters.scripted import make_scripted_env
 
@@ -154,7 +158,7 @@ def make_env(
         raise ImportError(f"env {name!r} needs {adapter} ({error}). Fix: {_EXTRAS[adapter]}.") from error
     if spec.kind == "libero":
         return module.make_libero_env(name, num_envs=num_envs, vectorization=vectorization, **size, **limit, **kwargs)
-    return module.make_maniskill_env(name, num_envs=num_envs, **size, **limit, **kwargs)
+    return module.make_maniskill_env(name, num_envs=num_envs, vectorization=vectorization, **size, **limit, **kwargs)
 
 
 def standin_tokenizer() -> Path:

@@ -2,7 +2,7 @@
 
 Contract
 --------
-A vector env can *freeze* when each of its sub-envs obeys these rules once it has reported
+A vector env is *freezable* when each of its sub-envs can obey these rules once it has reported
 ``terminated`` or ``truncated``:
 
 1. **Frozen until thawed.** Further ``step()`` calls do not step the simulator; they replay the
@@ -14,6 +14,10 @@ A vector env can *freeze* when each of its sub-envs obeys these rules once it ha
    terminal observation and info again.
 3. **Thawing.** ``reset(seed=..., options={THAW_OPTION: True, ...})`` really resets the sub-env (with
    that seed) and unfreezes it. A sub-env that is not frozen resets normally whatever the options.
+
+Freezing is off until `start_freezing(env)` switches it on, which `PolicyVectorEnv` does when it is built
+around the env. Until then the vector env is a plain Gymnasium vector env that behaves as the autoreset
+mode it declares in ``metadata["autoreset_mode"]`` (a user's own loop, ``RecordEpisodeStatistics``, ...).
 
 `PolicyVectorEnv` resets finished sub-envs at the chunk boundary with
 ``env.reset(options={"reset_mask": mask, THAW_OPTION: True})``; gymnasium 1.x Sync/AsyncVectorEnv pop
@@ -27,18 +31,20 @@ How an adapter builds one
   builds a Sync/AsyncVectorEnv. `FreezeOnDone` sets ``metadata[FREEZABLE_KEY] = True``, which
   Sync/AsyncVectorEnv copy from their first sub-env into their own metadata.
 * Envs with their own termination controls (ManiSkill's GPU-batched env): an adapter-specific
-  `VectorWrapper` that obeys rules 1-3 for the ``reset_mask``/``THAW_OPTION`` reset above and sets
-  ``metadata[FREEZABLE_KEY] = True`` itself.
+  `VectorWrapper` that obeys rules 1-3 for the ``reset_mask``/``THAW_OPTION`` reset above once its
+  ``start_freezing()`` method has been called, and sets ``metadata[FREEZABLE_KEY] = True`` itself.
 
-How `PolicyVectorEnv` detects one
----------------------------------
-`is_freezable(env)` reads ``env.metadata.get(FREEZABLE_KEY)``; `require_freezable(env)` raises a
-`ValueError` saying how to build a freezable env when the flag is missing.
+How `PolicyVectorEnv` uses one
+------------------------------
+`start_freezing(env)` checks the flag (raising a `ValueError` that says how to build a freezable env when it
+is missing) and switches freezing on; `is_freezable(env)` only reads ``env.metadata.get(FREEZABLE_KEY)``.
 
 Example:
     >>> import gymnasium as gym
     >>> venv = make_freezable_vector_env([lambda: gym.make("CartPole-v1")] * 2)
-    >>> is_freezable(venv)
+    >>> is_freezable(venv), venv.envs[0].freezing
+    (True, False)
+    >>> start_freezing(venv); venv.envs[0].freezing
     True
     >>> venv.close()
 """
@@ -50,7 +56,10 @@ from collections.abc import Callable, Mapping, Sequence
 from typing import Any, Literal, SupportsFloat
 
 import gymnasium as gym
-from gymnasium.vector import AsyncVectorEnv, AutoresetMode, SyncVectorEnv, VectorEnv
+from gymnasium.utils import RecordConstructorArgs
+from gymnasium.vector import AsyncVectorEnv, AutoresetMode, SyncVectorEnv, VectorEnv, VectorWrapper
+
+from wrappers.bounded_async import DEFAULT_TIMEOUT_S, BoundedAsyncVectorEnv
 
 FREEZABLE_KEY = "phyai_gym.freezable"
 """Metadata key: True when every sub-env freezes after it finishes (rules 1-3 above)."""
@@ -58,16 +67,18 @@ THAW_OPTION = "phyai_gym.thaw"
 """Reset option: when true, a frozen sub-env is really reset; otherwise the reset is ignored."""
 
 
-class FreezeOnDone(gym.Wrapper):
+class FreezeOnDone(gym.Wrapper, RecordConstructorArgs):
     """Freezes a single env after it terminates or truncates, until a reset carrying `THAW_OPTION`.
 
-    While frozen, `step()` replays the terminal observation and info with reward 0 and no done flags,
+    Freezing is off until `start_freezing()` (the env then passes everything through unchanged). Once on:
+    while frozen, `step()` replays the terminal observation and info with reward 0 and no done flags,
     and `reset()` without the thaw option returns the terminal observation and info again without
     touching the simulator. Put it outermost (outside ``TimeLimit``) so it sees every episode end.
 
     Example:
         >>> import gymnasium as gym
         >>> env = FreezeOnDone(gym.make("CartPole-v1"))
+        >>> env.start_freezing()
         >>> obs, _ = env.reset(seed=0)
         >>> env.frozen
         False
@@ -76,23 +87,34 @@ class FreezeOnDone(gym.Wrapper):
     """
 
     def __init__(self, env: gym.Env) -> None:
-        super().__init__(env)
+        RecordConstructorArgs.__init__(self)
+        gym.Wrapper.__init__(self, env)
         self.metadata = {**env.metadata, FREEZABLE_KEY: True}
+        self._freezing = False
         self._frozen = False
         self._terminal_obs: Any = None
         self._terminal_info: dict[str, Any] = {}
 
     @property
     def frozen(self) -> bool:
-        """True between the end of an episode and the next thawing reset."""
+        """True between the end of an episode and the next thawing reset (never while freezing is off)."""
         return self._frozen
+
+    @property
+    def freezing(self) -> bool:
+        """True once `start_freezing()` was called: finished episodes then stay frozen until thawed."""
+        return self._freezing
+
+    def start_freezing(self) -> None:
+        """Switches freezing on (what `PolicyVectorEnv` needs); from the next episode end on, rules 1-3 hold."""
+        self._freezing = True
 
     def step(self, action: Any) -> tuple[Any, SupportsFloat, bool, bool, dict[str, Any]]:
         """Steps the env, or replays the terminal transition with reward 0 while frozen."""
         if self._frozen:
             return self._terminal_obs, 0.0, False, False, dict(self._terminal_info)
         obs, reward, terminated, truncated, info = self.env.step(action)
-        if terminated or truncated:
+        if self._freezing and (terminated or truncated):
             self._frozen = True
             self._terminal_obs, self._terminal_info = obs, dict(info)
         return obs, reward, terminated, truncated, info
@@ -125,13 +147,16 @@ def make_freezable_vector_env(
         vectorization: "sync" (in-process) or "async" (one process per sub-env).
         autoreset_mode: the inner env's autoreset mode; `PolicyVectorEnv` handles all three. SAME_STEP
             (default) never needs extra calls: the inner autoreset is simply ignored by frozen sub-envs.
-        **vector_kwargs: passed to ``SyncVectorEnv``/``AsyncVectorEnv`` (e.g. ``context="spawn"``). For
-            "async", ``shared_memory`` defaults to False: gymnasium 1.4 reads a ``Text`` space (the
-            canonical ``task``) from shared memory only once, so instructions would go stale.
+        **vector_kwargs: passed to ``SyncVectorEnv``/`BoundedAsyncVectorEnv` (e.g. ``context="forkserver"``,
+            ``timeout=`` seconds a worker may take to answer). For "async", ``shared_memory`` defaults to
+            False (gymnasium 1.4 reads a ``Text`` space, the canonical ``task``, from shared memory only once,
+            so instructions would go stale), ``context`` to "forkserver" (a forked worker of a process that
+            holds a GL context hangs) and ``timeout`` to `DEFAULT_TIMEOUT_S`.
 
     Raises:
         ValueError: for "async" with NEXT_STEP and ``shared_memory=False``: gymnasium 1.4's worker then keeps
             its autoreset flag across a ``reset_mask`` reset and would reset a thawed sub-env behind our back.
+        WorkerTimeoutError: an "async" worker did not answer within ``timeout`` (see `wrappers.bounded_async`).
 
     Returns:
         A vector env with ``metadata[FREEZABLE_KEY] = True``.
@@ -148,6 +173,8 @@ def make_freezable_vector_env(
         venv: VectorEnv = SyncVectorEnv(fns, autoreset_mode=autoreset_mode, **vector_kwargs)
     elif vectorization == "async":
         vector_kwargs.setdefault("shared_memory", False)
+        vector_kwargs.setdefault("context", "forkserver")
+        vector_kwargs.setdefault("timeout", DEFAULT_TIMEOUT_S)
         if AutoresetMode(autoreset_mode) == AutoresetMode.NEXT_STEP and not vector_kwargs["shared_memory"]:
             raise ValueError(
                 "make_freezable_vector_env: vectorization='async' with autoreset_mode=NEXT_STEP needs "
@@ -155,7 +182,7 @@ def make_freezable_vector_env(
                 "reset), got shared_memory=False. Fix: use autoreset_mode='SameStep' or 'Disabled', or "
                 "shared_memory=True when the observation space has no Text space."
             )
-        venv = AsyncVectorEnv(fns, autoreset_mode=autoreset_mode, **vector_kwargs)
+        venv = BoundedAsyncVectorEnv(fns, autoreset_mode=autoreset_mode, **vector_kwargs)
     else:
         raise ValueError(f"make_freezable_vector_env: vectorization must be 'sync' or 'async', got {vectorization!r}.")
     venv.metadata = {**venv.metadata, FREEZABLE_KEY: True}
@@ -166,6 +193,40 @@ def is_freezable(env: VectorEnv) -> bool:
     """True when `env` declares ``metadata[FREEZABLE_KEY]`` (its sub-envs obey the freeze contract)."""
     metadata: Mapping[str, Any] = getattr(env, "metadata", None) or {}
     return bool(metadata.get(FREEZABLE_KEY, False))
+
+
+def start_freezing(env: VectorEnv, argument: str = "env") -> None:
+    """Checks that `env` is freezable (`require_freezable`) and switches its sub-envs' freezing on.
+
+    `PolicyVectorEnv` calls it once when it is built around `env`; a vector env nobody drives this way keeps
+    Gymnasium's plain autoreset behaviour. Walks down vector wrappers to the first level that has a
+    ``start_freezing()`` method, or to the Sync/AsyncVectorEnv whose `FreezeOnDone` sub-envs have one.
+
+    Example:
+        >>> import gymnasium as gym
+        >>> venv = make_freezable_vector_env([lambda: gym.make("CartPole-v1")])
+        >>> start_freezing(venv); venv.envs[0].freezing
+        True
+        >>> venv.close()
+    """
+    require_freezable(env, argument)
+    level: Any = env
+    while not callable(getattr(type(level), "start_freezing", None)) and isinstance(level, VectorWrapper):
+        level = level.env
+    if callable(getattr(type(level), "start_freezing", None)):
+        level.start_freezing()
+    elif isinstance(level, SyncVectorEnv):
+        for sub_env in level.envs:
+            sub_env.get_wrapper_attr("start_freezing")()
+    elif isinstance(level, AsyncVectorEnv):
+        level.call("start_freezing")
+    else:
+        raise ValueError(
+            f"PolicyVectorEnv: argument `{argument}` declares metadata[{FREEZABLE_KEY!r}] = True but "
+            f"{type(level).__name__} has no start_freezing() method and is not a Sync/AsyncVectorEnv of "
+            "FreezeOnDone sub-envs. Fix: give the vector env (or a wrapper of it) a start_freezing() method "
+            "that switches rules 1-3 of wrappers.freeze on, or build it with make_freezable_vector_env."
+        )
 
 
 def require_freezable(env: VectorEnv, argument: str = "env") -> None:

@@ -35,7 +35,7 @@ from policies.base import BatchSizePolicy, Policy, PolicyOutput, StreamPolicy
 from policies.checks import check_int
 from wrappers._chunk import ChunkResult, ChunkRunner, concat, take_rows, to_numpy_tree
 from wrappers.episode_statistics import EpisodeStatistics
-from wrappers.freeze import FREEZABLE_KEY, require_freezable
+from wrappers.freeze import FREEZABLE_KEY, require_freezable, start_freezing
 from wrappers.pipeline import CallSettings, EnvPipeline
 
 CANONICAL_KEYS = ("images", "state", "task")
@@ -58,12 +58,12 @@ def enable_freezing(envs: Sequence[VectorEnv]) -> None:
     """The one place where `PolicyVectorEnv` switches on the freezing of the envs it drives (DESIGN C2).
 
     Chunk execution needs a finished sub-env to stay untouched until the chunk boundary, while a vector env
-    used on its own should keep the autoreset mode it declares. Every env here has passed `require_freezable`,
-    and the envs of `wrappers.freeze` freeze whenever a sub-env ends, so there is nothing to switch on yet; an
-    adapter whose envs freeze only on request is switched on here. It runs after every argument was checked,
-    so a refused construction leaves the envs as they were.
+    used on its own keeps the autoreset mode it declares; every env here has passed `require_freezable`, and
+    `wrappers.freeze.start_freezing` switches it over. It runs after every argument was checked, so a refused
+    construction leaves the envs as they were.
     """
-    del envs  # nothing to switch on for the envs of wrappers.freeze
+    for env in envs:
+        start_freezing(env)
 
 
 class PolicyVectorEnv(VectorWrapper):

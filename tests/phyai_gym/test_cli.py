@@ -157,6 +157,44 @@ def test_eval_resume_refuses_other_settings(capsys, tmp_path):
     assert "holds episodes of a different run" in err and "seed" in err
 
 
+@pytest.mark.parametrize(
+    ("change", "field"),
+    [
+        ({"--policy": "gaussian"}, "policy"),
+        ({"--action-chunk": "2"}, "action_chunk"),
+        ({"--max-episode-steps": "3"}, "episode_limit"),
+        ({"--env": "scripted"}, "env"),
+        ({"--protocol": "phyai", "--preset": "lerobot_pi05"}, "preset"),
+    ],
+    ids=lambda v: v if isinstance(v, str) else "+".join(v),
+)
+def test_eval_resume_names_the_differing_field(capsys, tmp_path, change, field):
+    assert main([*EVAL, "--out", str(tmp_path), "--max-episodes-this-run", "1"]) == 0
+    capsys.readouterr()
+    argv = list(EVAL)
+    for flag, value in change.items():
+        if flag in argv:
+            argv[argv.index(flag) + 1] = value
+        else:
+            argv += [flag, value]
+    err = _error(capsys, [*argv, "--out", str(tmp_path)])
+    assert f"field(s) {field}" in err or f", {field}" in err, err
+    assert "Episodes of two runs would be mixed" in err
+    _, rows = _rows(tmp_path / "episodes.jsonl")
+    assert len(rows) == 1  # the refused run wrote nothing
+
+
+def test_eval_header_names_protocol_and_both_success_metrics(capsys, tmp_path):
+    assert main([*EVAL, "--out", str(tmp_path)]) == 0
+    out = capsys.readouterr().out
+    assert "protocol: phyai (primary metric: success_once)" in out and "at end" in out
+    header, rows = _rows(tmp_path / "episodes.jsonl")
+    assert header["protocol"] == "phyai" and header["primary_metric"] == "success_once"
+    assert all({"success_once", "success_at_end"} <= set(r) and r["success"] == r["success_once"] for r in rows)
+    with open(tmp_path / "results.csv") as handle:
+        assert {"success_once", "success_at_end"} <= set(next(csv.DictReader(handle)))
+
+
 def test_eval_keyboard_interrupt_keeps_finished_episodes(capsys, tmp_path, monkeypatch):
     import phyai_gym.evaluation as evaluation
 

@@ -279,7 +279,7 @@ def test_maniskill_end_to_end_and_model_pixels_upright(maniskill_env):
     record = _run(env, chunks=2)
     (first, out1), (second, _) = record["steps"]
     for result, out in record["steps"]:
-        _check_chunk(result, out, n=1, state_dim=16)
+        _check_chunk(result, out, n=1, state_dim=19)  # qpos 9, tcp pose 7, hidden goal 3
     _check_episode_end(first, second, n=1, limit=LIMIT)
     assert int(second[4]["final_info"]["elapsed_steps"][0]) == LIMIT
     # model pixels: the wooden table at the bottom

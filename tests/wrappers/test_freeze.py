@@ -5,13 +5,21 @@ import pytest
 from gymnasium.vector import AutoresetMode
 
 from wrappers.adapters.scripted import ScriptedEnv, make_scripted_env
-from wrappers.freeze import THAW_OPTION, FreezeOnDone, is_freezable, make_freezable_vector_env, require_freezable
+from wrappers.freeze import (
+    THAW_OPTION,
+    FreezeOnDone,
+    is_freezable,
+    make_freezable_vector_env,
+    require_freezable,
+    start_freezing,
+)
 
 ZERO = np.zeros(3, np.float32)
 
 
 def test_frozen_env_replays_terminal_transition_until_thawed():
     env = FreezeOnDone(ScriptedEnv(episode_lengths=(2, 4)))
+    env.start_freezing()
     env.reset(seed=5)
     env.step(ZERO)
     terminal, reward, term, trunc, info = env.step(ZERO)
@@ -28,6 +36,7 @@ def test_frozen_env_replays_terminal_transition_until_thawed():
 
 def test_thawed_episode_equals_plain_env_episode():
     frozen, plain = FreezeOnDone(ScriptedEnv(episode_lengths=(1, 3))), ScriptedEnv(episode_lengths=(1, 3))
+    frozen.start_freezing()
     frozen.reset(seed=9), plain.reset(seed=9)
     frozen.step(ZERO), plain.step(ZERO)
     for _ in range(2):
@@ -42,6 +51,7 @@ def test_thawed_episode_equals_plain_env_episode():
 def test_vector_env_autoreset_never_resets_a_frozen_sub_env(mode):
     venv = make_scripted_env(2, episode_lengths=[(1,), (5,)], autoreset_mode=mode)
     assert is_freezable(venv)
+    start_freezing(venv)
     obs, _ = venv.reset(seed=0, options={THAW_OPTION: True})
     actions = np.zeros((2, 3), np.float32)
     first, *_ = venv.step(actions)

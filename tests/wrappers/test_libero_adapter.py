@@ -25,7 +25,7 @@ from wrappers.adapters.libero import (  # noqa: E402
     make_libero_env,
     quat_to_axis_angle,
 )
-from wrappers.freeze import FREEZABLE_KEY, THAW_OPTION  # noqa: E402
+from wrappers.freeze import FREEZABLE_KEY, THAW_OPTION, start_freezing  # noqa: E402
 
 HAVE_LIBERO = importlib.util.find_spec("libero") is not None
 WHY = 'LIBERO is not installed (pip install "phyai-gym[libero]" or bash .ci/install_sims.sh libero)'
@@ -52,6 +52,7 @@ def _assert_same_scene(a, b):
 @pytest.fixture(scope="module")
 def venv():
     env = make_libero_env(SUITE, task_ids=[0], init_state_ids=[3], group_size=2, preset="openpi")
+    start_freezing(env)  # as PolicyVectorEnv does: the tests below check the freeze rules
     yield env
     env.close()
 

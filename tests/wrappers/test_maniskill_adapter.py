@@ -19,14 +19,14 @@ from wrappers.adapters.maniskill import (
     make_maniskill_env,
     maniskill_instruction,
 )
-from wrappers.freeze import FREEZABLE_KEY, THAW_OPTION
+from wrappers.freeze import FREEZABLE_KEY, THAW_OPTION, start_freezing
 
 HAVE_MANISKILL = importlib.util.find_spec("mani_skill") is not None
 WHY = 'ManiSkill3 is not installed (pip install "phyai-gym[maniskill]" or bash .ci/install_sims.sh maniskill)'
 if not HAVE_MANISKILL:
     print(f"test_maniskill_adapter: simulator tests skipped: {WHY}", file=sys.stderr)
 needs_maniskill = pytest.mark.skipif(not HAVE_MANISKILL, reason=WHY)
-PICK = "pick up the red cube and move it to the green goal"
+PICK = "pick up the red cube and move it to the goal position"
 
 
 @pytest.fixture(scope="module")
@@ -73,7 +73,7 @@ def test_observation_contract(venv):
     image = obs["images"]["image"]
     assert image.shape == (2, 224, 224, 3) and image.dtype == np.uint8
     assert 20 < image.mean() < 235 and image.std() > 10
-    assert obs["state"].shape == (2, 16) and obs["state"].dtype == np.float32
+    assert obs["state"].shape == (2, 19) and obs["state"].dtype == np.float32  # qpos 9, tcp pose 7, goal 3
     assert list(obs["task"]) == [PICK, PICK]
     assert venv.single_action_space.shape == (7,)
     assert "success" in info or "elapsed_steps" in info
@@ -90,13 +90,14 @@ def test_image_is_upright(venv):
 
 @needs_maniskill
 @pytest.mark.slow
-def test_state_is_qpos_and_tcp_pose(venv):
+def test_state_is_qpos_tcp_pose_and_hidden_goal(venv):
     obs, _ = venv.reset(seed=0, options={THAW_OPTION: True})
     for i in range(2):
         base = _base(venv, i)
         qpos = base.agent.robot.get_qpos()[0].cpu().numpy()
         tcp = base.agent.tcp.pose.raw_pose[0].cpu().numpy()
-        assert np.allclose(obs["state"][i], np.concatenate([qpos, tcp]), atol=1e-6)
+        goal = base.goal_site.pose.p[0].cpu().numpy()
+        assert np.allclose(obs["state"][i], np.concatenate([qpos, tcp, goal]), atol=1e-6)
 
 
 @needs_maniskill
@@ -132,6 +133,7 @@ def test_success_on_a_scripted_pick():
     must end in ManiSkill's own success, terminate, and then freeze. (ManiSkill's motion-planning solution
     solvePickCube needs mplib 0.1.1, which segfaults in Planner() here, so the test scripts the pick.)"""
     env = make_maniskill_env("PickCube-v1", sim_backend="cpu", image_size=64, max_episode_steps=200)
+    start_freezing(env)  # as PolicyVectorEnv does; a plain env would autoreset instead
     try:
         env.reset(seed=11)
         base = env.envs[0].unwrapped
@@ -179,6 +181,7 @@ def test_batched_maniskill_vector_env_freezes_and_partially_resets():
     env = make_maniskill_env("PushCube-v1", sim_backend="cpu", vectorization="maniskill", max_episode_steps=2)
     try:
         assert isinstance(env, ManiSkillFreezeWrapper) and env.metadata[FREEZABLE_KEY]
+        start_freezing(env)
         obs, _ = env.reset(seed=1)
         assert isinstance(obs["images"]["image"], torch.Tensor) and obs["images"]["image"].dtype == torch.uint8
         assert obs["state"].shape == (1, 16) and obs["task"] == ("push the cube to the red and white target",)

@@ -48,6 +48,7 @@ __all__ = [
     "load_init_states",
     "make_libero_env",
     "quat_to_axis_angle",
+    "resize_with_pad_pil",
 ]
 
 LIBERO_INSTALL_HINT = (
@@ -61,6 +62,8 @@ NOOP_ACTION = np.array([0, 0, 0, 0, 0, 0, -1], dtype=np.float64)
 """Settle action: no motion, gripper open."""
 CAMERAS: dict[str, str] = {"image": "agentview_image", "wrist_image": "robot0_eye_in_hand_image"}
 """Canonical camera name -> LIBERO observation key."""
+SEED_MODES: tuple[str, ...] = ("episode", "once")
+"""How LIBERO's fixture placement (numpy's global RNG) is seeded: per episode from (seed, episode), or once."""
 TASK_CHARSET = frozenset(string.printable)
 MAX_TASK_LENGTH = 512
 _CACHE = Path(os.environ.get("PHYAI_GYM_CACHE", Path.home() / ".cache" / "phyai-gym"))
@@ -327,6 +330,30 @@ def quat_to_axis_angle(quat_xyzw: np.ndarray) -> np.ndarray:
     return q[..., :3] * scale[..., None]
 
 
+def resize_with_pad_pil(image: np.ndarray, size: int) -> np.ndarray:
+    """Fits a uint8 (H, W, 3) image into (size, size) keeping its aspect ratio: PIL bilinear, centred zero padding.
+
+    The resize openpi's LIBERO client applies (``tf.image.resize_with_pad`` semantics on PIL): scale by
+    ``ratio = max(W / size, H / size)`` to ``(int(H / ratio), int(W / ratio))``, then pad.
+
+    Example:
+        >>> resize_with_pad_pil(np.zeros((256, 256, 3), np.uint8), 224).shape
+        (224, 224, 3)
+    """
+    from PIL import Image
+
+    height, width = image.shape[:2]
+    if (height, width) == (size, size):
+        return image
+    ratio = max(width / size, height / size)
+    new_h, new_w = int(height / ratio), int(width / ratio)
+    resized = np.asarray(Image.fromarray(image).resize((new_w, new_h), resample=Image.BILINEAR))
+    out = np.zeros((size, size, 3), np.uint8)
+    top, left = max(0, int((size - new_h) / 2)), max(0, int((size - new_w) / 2))
+    out[top : top + new_h, left : left + new_w] = resized
+    return out
+
+
 # ---------------------------------------------------------------------------------------------------------
 # single env
 
@@ -341,8 +368,11 @@ class LiberoEnv(gym.Env):
     with numpy's global RNG when the model is (re)loaded; each real reset therefore seeds that RNG from
     (base seed, k) and restores it afterwards. ``reset(seed=s)`` sets the base seed to ``s - group_rank``
     (so that the members of a group, which a vector env seeds s+i, share one scene) and restarts k, so a
-    seeded reset reproduces the episode exactly. An episode terminates on ``check_success()`` (reward 1)
-    and is truncated after `max_episode_steps` policy steps.
+    seeded reset reproduces the episode exactly. With ``seed_mode="once"`` (openpi's procedure) the RNG is
+    instead seeded once with `seed` and initial state k is reset from the state that k resets leave behind;
+    reset seeds do not move it. Cameras render at `render_size` and are fitted into `image_size` with
+    `resize_with_pad_pil` when the two differ. An episode terminates on ``check_success()`` (reward 1) and is
+    truncated after `max_episode_steps` policy steps.
 
     Observation: ``{"images": {"image", "wrist_image"}: uint8 (S, S, 3) upright, "state": float32 (8,),
     "task": str}``. Action: float32 (7,) in [-1, 1]. Info: ``is_success``, ``task_id``, ``init_state_id``,
@@ -371,7 +401,11 @@ class LiberoEnv(gym.Env):
         group_rank: int = 0,
         seed: int = 0,
         render_mode: str | None = None,
+        render_size: int | None = None,
+        seed_mode: Literal["episode", "once"] = "episode",
     ) -> None:
+        if seed_mode not in SEED_MODES:
+            raise ValueError(f"LiberoEnv: seed_mode must be one of {SEED_MODES}, got {seed_mode!r}.")
         self.task = task
         self.max_episode_steps = int(max_episode_steps)
         self.settle_steps = int(settle_steps)
@@ -382,6 +416,11 @@ class LiberoEnv(gym.Env):
         self.group_rank = int(group_rank)
         self._base_seed = int(seed) - self.group_rank
         self.render_mode = render_mode
+        self.render_size = self.image_size if render_size is None else int(render_size)
+        self.seed_mode = seed_mode
+        self._once_seed = int(seed)
+        # seed_mode "once": numpy global-RNG state before the reset of initial state k (k resets after seeding)
+        self._chain: list[Any] = []
         image = spaces.Box(0, 255, (self.image_size, self.image_size, 3), np.uint8)
         self.observation_space = spaces.Dict(
             {
@@ -420,15 +459,20 @@ class LiberoEnv(gym.Env):
             envs = importlib.import_module("libero.libero.envs")
         except ImportError as exc:
             raise ImportError(f"LiberoEnv: cannot import LIBERO ({exc}). {LIBERO_INSTALL_HINT}") from exc
+        # robosuite ends its episode at `horizon` (1000 control steps, settle steps included) and then refuses
+        # every step; episodes here end on our own limit, so its done flag is switched off (nothing else reads it)
         return envs.OffScreenRenderEnv(
             bddl_file_name=self.task.bddl_file,
-            camera_heights=self.image_size,
-            camera_widths=self.image_size,
+            camera_heights=self.render_size,
+            camera_widths=self.render_size,
             hard_reset=self.hard_reset,
+            ignore_done=True,
         )
 
     def _canonical(self, raw: Mapping[str, Any]) -> dict[str, Any]:
         images = {name: np.ascontiguousarray(raw[key][::-1, ::-1]) for name, key in CAMERAS.items()}
+        if self.render_size != self.image_size:
+            images = {name: resize_with_pad_pil(image, self.image_size) for name, image in images.items()}
         state = np.concatenate(
             [raw["robot0_eef_pos"], quat_to_axis_angle(raw["robot0_eef_quat"]), raw["robot0_gripper_qpos"]]
         ).astype(np.float32)
@@ -473,8 +517,11 @@ class LiberoEnv(gym.Env):
             self._env = self._make_sim()
         rng_state = np.random.get_state()
         try:
-            np.random.seed(episode_seed)
-            self._env.reset()
+            if self.seed_mode == "once":
+                self._reset_from_chain(index)
+            else:
+                np.random.seed(episode_seed)
+                self._env.reset()
             if not self.hard_reset:
                 self._reset_gripper_actions()
             raw = self._env.set_init_state(states[index])
@@ -486,6 +533,24 @@ class LiberoEnv(gym.Env):
         self._elapsed = 0
         self._last_obs = self._canonical(raw)
         return self._last_obs, self._info(False)
+
+    def _reset_from_chain(self, index: int) -> None:
+        """Seeding as openpi does it: numpy's global RNG seeded once, each reset drawing on from the last one.
+
+        Initial state k is reset from the RNG state that k resets leave behind after seeding (openpi plays
+        initial state k as the task's k-th episode), so any order of initial states gives openpi's scenes;
+        states not seen yet are reached by replaying the missing resets.
+        """
+        if not self._chain:
+            self._chain.append(np.random.RandomState(self._once_seed).get_state())
+        while len(self._chain) <= index:
+            np.random.set_state(self._chain[-1])
+            self._env.reset()
+            self._chain.append(np.random.get_state())
+        np.random.set_state(self._chain[index])
+        self._env.reset()
+        if len(self._chain) == index + 1:
+            self._chain.append(np.random.get_state())
 
     def _reset_gripper_actions(self) -> None:
         # robosuite's grippers integrate their command in `current_action`, which only a hard reset (a new
@@ -557,6 +622,8 @@ def make_libero_env(
     hard_reset: bool = True,
     seed: int | None = None,
     context: str = "forkserver",
+    render_size: int | None = None,
+    seed_mode: Literal["episode", "once"] = "episode",
 ) -> VectorEnv:
     """A freezable vector env over LIBERO tasks that yields the canonical observation (DESIGN C1, C2).
 
@@ -587,6 +654,11 @@ def make_libero_env(
         seed: base seed before the first ``reset(seed=...)`` (default 0); sub-env i starts as if reset with
             ``seed + i``.
         context: multiprocessing start method for "async".
+        render_size: camera resolution of the simulator (default `image_size`); when it differs, images are
+            rotated, then fitted into `image_size` with `resize_with_pad_pil` (openpi: render 256, resize 224).
+        seed_mode: "episode" (fixture placement seeded per episode from the reset seed, see `LiberoEnv`) or
+            "once" (openpi: numpy's RNG seeded once with `seed`, default 0, for every task; initial state k
+            gets the RNG state that k resets leave behind, whatever the order; reset seeds do not move it).
 
     Returns:
         A `gymnasium.vector.VectorEnv` whose sub-envs freeze after they end; ``metadata["phyai_gym.libero"]``
@@ -660,7 +732,9 @@ def make_libero_env(
                     image_size=image_size,
                     hard_reset=hard_reset,
                     group_rank=rank,
-                    seed=(seed or 0) + g * group_size + rank,
+                    seed=(seed or 0) + (0 if seed_mode == "once" else g * group_size + rank),
+                    render_size=render_size,
+                    seed_mode=seed_mode,
                 )
             )
     kwargs: dict[str, Any] = {}
@@ -677,6 +751,8 @@ def make_libero_env(
             "preset": preset,
             "max_episode_steps": limit,
             "settle_steps": settle,
+            "render_size": render_size or image_size,
+            "seed_mode": seed_mode,
             "group_size": group_size,
             "envs": plan,
             "tasks": [tasks[p["task_id"]].language for p in plan],

@@ -12,8 +12,11 @@ Two ways to vectorise, both freezable (DESIGN C2):
 
 Canonical observation: ``images["image"]`` = the task's ``base_camera`` RGB (``images["wrist_image"]`` =
 ``hand_camera`` with ``robot_uids="panda_wristcam"``), uint8 (N, S, S, 3), upright as ManiSkill renders it;
-``state`` = ``agent/qpos`` (9 for Panda) + ``extra/tcp_pose`` (position 3 + quaternion wxyz 4), float32;
-``task`` = the instruction per env. Success comes from ``info["success"]`` (also reported as
+``state`` = ``agent/qpos`` (9 for Panda) + ``extra/tcp_pose`` (position 3 + quaternion wxyz 4), then the
+goal position (3) for the tasks whose goal the cameras do not show: PickCube-v1 and PickSingleYCB-v1 hide
+their goal marker from the sensors, and RollBall-v1's goal region is often outside ``base_camera``'s view;
+float32. Every other task in `MANISKILL_INSTRUCTIONS` shows its goal in the image (`GOAL_OBSERVATION` says
+which, per task). ``task`` = the instruction per env. Success comes from ``info["success"]`` (also reported as
 ``info["is_success"]``); an episode terminates on success and is truncated at the task's step limit.
 
 Rendering without a GPU needs Vulkan: SAPIEN accepts Mesa >= 24.3 lavapipe. ``.ci/install_sims.sh``
@@ -37,16 +40,20 @@ import gymnasium as gym
 import numpy as np
 import torch
 from gymnasium import spaces
+from gymnasium.utils import RecordConstructorArgs
 from gymnasium.vector import AutoresetMode, VectorEnv, VectorWrapper
 
 from wrappers.freeze import FREEZABLE_KEY, THAW_OPTION, make_freezable_vector_env
 
 __all__ = [
     "MANISKILL_INSTALL_HINT",
+    "GOAL_OBSERVATION",
     "MANISKILL_INSTRUCTIONS",
     "ManiSkillFreezeWrapper",
     "ManiSkillObservation",
     "apply_renderer_env",
+    "binarize_gripper",
+    "camera_map",
     "make_maniskill_env",
     "maniskill_instruction",
 ]
@@ -56,7 +63,7 @@ MANISKILL_INSTALL_HINT = (
     "driver: run `bash .ci/install_sims.sh maniskill`)"
 )
 MANISKILL_INSTRUCTIONS: dict[str, str] = {
-    "PickCube-v1": "pick up the red cube and move it to the green goal",
+    "PickCube-v1": "pick up the red cube and move it to the goal position",
     "PushCube-v1": "push the cube to the red and white target",
     "PullCube-v1": "pull the cube to the red and white target",
     "StackCube-v1": "stack the red cube on top of the green cube",
@@ -67,9 +74,28 @@ MANISKILL_INSTRUCTIONS: dict[str, str] = {
     "PlaceSphere-v1": "place the sphere into the bin",
     "RollBall-v1": "roll the ball to the goal region",
     "PushT-v1": "push the T-shaped block onto the target pose",
-    "PickSingleYCB-v1": "pick up the object and move it to the green goal",
+    "PickSingleYCB-v1": "pick up the object and move it to the goal position",
 }
 """Task id -> instruction. Other ids get one made from the id (see `maniskill_instruction`)."""
+GOAL_OBSERVATION: dict[str, tuple[str, str]] = {
+    "PickCube-v1": ("state", "goal_site"),
+    "PushCube-v1": ("image", "goal_region"),
+    "PullCube-v1": ("image", "goal_region"),
+    "StackCube-v1": ("image", "cubeB"),
+    "PegInsertionSide-v1": ("image", "box"),
+    "PlugCharger-v1": ("image", "receptacle"),
+    "LiftPegUpright-v1": ("image", "peg"),
+    "PokeCube-v1": ("image", "goal_region"),
+    "PlaceSphere-v1": ("image", "bin"),
+    "RollBall-v1": ("state", "goal_region"),
+    "PushT-v1": ("image", "goal_tee"),
+    "PickSingleYCB-v1": ("state", "goal_site"),
+}
+"""Task id -> (where the policy sees the goal, the task's goal actor attribute). "state": the cameras do not
+show the goal (a marker hidden from the sensors, or out of view), so the actor's position ends the state vector
+(for PickCube it equals ``extra/goal_pos``); "image": the actor is in the camera images (LiftPegUpright's goal
+is the peg's own orientation). Tasks not listed get qpos + tcp pose only."""
+GOAL_STATE_DIM = 3
 CAMERAS: dict[str, str] = {"base_camera": "image", "hand_camera": "wrist_image"}
 """ManiSkill sensor name -> canonical camera name (other sensors keep their own name)."""
 TASK_CHARSET = frozenset(string.printable)
@@ -166,24 +192,67 @@ def _single_obs_space(image_size: int, cameras: Sequence[str], state_dim: int) -
     )
 
 
-def _camera_names(raw_space: spaces.Dict) -> list[str]:
-    sensors = raw_space["sensor_data"]
-    return [CAMERAS.get(name, name) for name in sensors.spaces if "rgb" in sensors[name].spaces]
+def camera_map(raw_space: spaces.Dict, camera: str | Sequence[str] | None = None) -> dict[str, str]:
+    """ManiSkill sensor name -> canonical camera name; `camera` picks the sensor shown as ``images["image"]``.
+
+    Args:
+        raw_space: the raw (unbatched) ManiSkill observation space.
+        camera: a sensor name, or names in order of preference (the first the task has is used); None:
+            ``base_camera``. Other sensors keep their names, ``hand_camera`` becomes ``wrist_image``.
+
+    Raises:
+        ValueError: the task has none of the sensors in `camera` (the message lists the ones it has).
+    """
+    sensors = [name for name, space in raw_space["sensor_data"].spaces.items() if "rgb" in space.spaces]
+    wanted = [camera] if isinstance(camera, str) else list(camera or ["base_camera"])
+    chosen = next((name for name in wanted if name in sensors), None)
+    if chosen is None:
+        raise ValueError(
+            f"make_maniskill_env: camera must name a sensor of the task, expected one of {wanted}, the task has "
+            f"{sensors}. Fix: pass camera= one of {sensors} (or a list of preferences ending with one of them)."
+        )
+    aliases = {name: CAMERAS.get(name, name) for name in sensors if name != chosen}
+    return {chosen: "image", **{name: name if alias == "image" else alias for name, alias in aliases.items()}}
 
 
-def _canonical_parts(raw: Mapping[str, Any], tcp_pose: Any) -> tuple[dict[str, Any], Any]:
-    images = {CAMERAS.get(name, name): data["rgb"] for name, data in raw["sensor_data"].items() if "rgb" in data}
+def _camera_names(cameras: Mapping[str, str]) -> list[str]:
+    return list(cameras.values())
+
+
+def _goal_reader(base: Any, task: str, first_row: bool) -> Any:
+    """Reads the position (N, 3) of `task`'s goal actor, or its row 0 as numpy; None when the cameras show the goal.
+
+    The actor is looked up on every call: a reconfiguring ManiSkill env builds new actors.
+    """
+    where, attribute = GOAL_OBSERVATION.get(task, ("image", ""))
+    if where != "state":
+        return None
+    if first_row:
+        return lambda: getattr(base, attribute).pose.p[0].cpu().numpy()
+    return lambda: getattr(base, attribute).pose.p
+
+
+def _canonical_parts(
+    raw: Mapping[str, Any], tcp_pose: Any, cameras: Mapping[str, str], goal: Any = None
+) -> tuple[dict[str, Any], Any]:
+    images = {cameras[name]: data["rgb"] for name, data in raw["sensor_data"].items() if name in cameras}
     extra = raw.get("extra", {})
     tcp = extra["tcp_pose"] if "tcp_pose" in extra else tcp_pose()
     qpos = raw["agent"]["qpos"]
+    parts = [tcp] + ([goal()] if goal is not None else [])
     if isinstance(qpos, torch.Tensor):
-        state = torch.cat([qpos.float(), torch.as_tensor(tcp, device=qpos.device).float()], dim=-1)
+        state = torch.cat([qpos.float(), *(torch.as_tensor(p, device=qpos.device).float() for p in parts)], dim=-1)
     else:
-        state = np.concatenate([qpos, np.asarray(tcp).reshape(qpos.shape[:-1] + (-1,))], axis=-1).astype(np.float32)
+        rows = qpos.shape[:-1] + (-1,)
+        state = np.concatenate([qpos, *(np.asarray(p).reshape(rows) for p in parts)], axis=-1).astype(np.float32)
     return images, state
 
 
-class ManiSkillObservation(gym.ObservationWrapper):
+def _state_dim(raw_space: spaces.Dict, goal: Any) -> int:
+    return raw_space["agent"]["qpos"].shape[-1] + 7 + (GOAL_STATE_DIM if goal is not None else 0)
+
+
+class ManiSkillObservation(gym.ObservationWrapper, RecordConstructorArgs):
     """Turns one unbatched (``CPUGymWrapper``) ManiSkill env's observation into the canonical one (numpy).
 
     Example:
@@ -192,20 +261,27 @@ class ManiSkillObservation(gym.ObservationWrapper):
         ['images', 'state', 'task']
     """
 
-    def __init__(self, env: gym.Env, instruction: str) -> None:
-        super().__init__(env)
+    def __init__(
+        self, env: gym.Env, instruction: str, camera: str | Sequence[str] | None = None, gripper_binarize: bool = False
+    ) -> None:
+        RecordConstructorArgs.__init__(self, instruction=instruction, camera=camera, gripper_binarize=gripper_binarize)
+        gym.ObservationWrapper.__init__(self, env)
         self.instruction = instruction
+        self.gripper_binarize = bool(gripper_binarize)
         raw_space = env.observation_space
-        state_dim = raw_space["agent"]["qpos"].shape[-1] + 7
+        self.cameras = camera_map(raw_space, camera)
+        spec = env.unwrapped.spec
+        self._goal = _goal_reader(env.unwrapped, spec.id if spec is not None else "", first_row=True)
+        state_dim = _state_dim(raw_space, self._goal)
         size = next(iter(raw_space["sensor_data"].values()))["rgb"].shape[-2]
-        self.observation_space = _single_obs_space(size, _camera_names(raw_space), state_dim)
+        self.observation_space = _single_obs_space(size, _camera_names(self.cameras), state_dim)
 
     def _tcp_pose(self) -> np.ndarray:
         return self.env.unwrapped.agent.tcp.pose.raw_pose[0].cpu().numpy()
 
     def observation(self, observation: Mapping[str, Any]) -> dict[str, Any]:
         """Canonical observation of one env."""
-        images, state = _canonical_parts(observation, self._tcp_pose)
+        images, state = _canonical_parts(observation, self._tcp_pose, self.cameras, self._goal)
         return {
             "images": {k: np.asarray(v, dtype=np.uint8) for k, v in images.items()},
             "state": state,
@@ -213,19 +289,60 @@ class ManiSkillObservation(gym.ObservationWrapper):
         }
 
     def step(self, action: Any) -> tuple[Any, Any, Any, Any, dict[str, Any]]:
-        """Steps the env; adds ``info["is_success"]``."""
+        """Steps the env (gripper binarised when asked); adds ``info["is_success"]``."""
+        if self.gripper_binarize:
+            action = np.array(action, dtype=np.float32)
+            action[..., -1] = binarize_gripper(action[..., -1])
         obs, reward, terminated, truncated, info = super().step(action)
         if "success" in info:
             info["is_success"] = bool(info["success"])
         return obs, float(reward), bool(terminated), bool(truncated), info
 
 
-def _make_cpu_env(task: str, instruction: str, ignore_terminations: bool, env_kwargs: dict[str, Any]) -> gym.Env:
+VULKAN_HINT = (
+    "SAPIEN found no working Vulkan driver ({error}). ManiSkill renders its cameras with Vulkan: a GPU machine "
+    "needs the NVIDIA driver's Vulkan ICD (libnvidia-gl; check with `vulkaninfo`), a CPU machine a Mesa >= 24.3 "
+    "lavapipe driver. Fix: run `bash .ci/install_sims.sh maniskill` (unpacks lavapipe and writes "
+    "~/.cache/phyai-gym/sim_env.sh), then `source ~/.cache/phyai-gym/sim_env.sh`, or point VK_ICD_FILENAMES "
+    "at a working ICD json (now {icd!r})."
+)
+
+
+def _gym_make(task: str, **kwargs: Any) -> gym.Env:
+    """``gym.make`` of a ManiSkill task; SAPIEN's raw Vulkan errors become a `RuntimeError` saying how to fix them."""
+    try:
+        return gym.make(task, **kwargs)
+    except RuntimeError as error:
+        if "ErrorIncompatibleDriver" not in str(error) and "vk::" not in str(error):
+            raise
+        icd = os.environ.get("VK_ICD_FILENAMES")
+        raise RuntimeError(f"make_maniskill_env: {VULKAN_HINT.format(error=error, icd=icd)}") from error
+
+
+def binarize_gripper(command: Any) -> Any:
+    """RLinf's gripper convention: ``2 * [g > 0.5] - 1`` (close +1 above 0.5, else open -1), numpy or torch.
+
+    Example:
+        >>> binarize_gripper(np.array([0.2, 0.5, 0.7], np.float32)).tolist()
+        [-1.0, -1.0, 1.0]
+    """
+    return 2.0 * (command > 0.5) - 1.0
+
+
+def _make_cpu_env(
+    task: str,
+    instruction: str,
+    ignore_terminations: bool,
+    env_kwargs: dict[str, Any],
+    camera: str | Sequence[str] | None = None,
+    gripper_binarize: bool = False,
+) -> gym.Env:
     _import_maniskill()
     from mani_skill.utils.wrappers.gymnasium import CPUGymWrapper
 
-    env = gym.make(task, num_envs=1, sim_backend="physx_cpu", **env_kwargs)
-    return ManiSkillObservation(CPUGymWrapper(env, ignore_terminations=ignore_terminations), instruction)
+    env = _gym_make(task, num_envs=1, sim_backend="physx_cpu", **env_kwargs)
+    inner = CPUGymWrapper(env, ignore_terminations=ignore_terminations)
+    return ManiSkillObservation(inner, instruction, camera=camera, gripper_binarize=gripper_binarize)
 
 
 def _rows(value: Any, num_envs: int) -> bool:
@@ -235,12 +352,14 @@ def _rows(value: Any, num_envs: int) -> bool:
 class ManiSkillFreezeWrapper(VectorWrapper):
     """Canonical observation and per-env freezing over a batched ``ManiSkillVectorEnv(auto_reset=False)``.
 
-    Freezing (rules of `wrappers.freeze`): an env that terminates or truncates is frozen; while frozen its
-    observation and info rows are the terminal ones, reward 0 and done flags False. The batched simulator
-    still steps it (a GPU batch cannot skip rows), which nobody observes before its reset. A reset that
-    does not carry ``THAW_OPTION`` leaves frozen envs alone; ``reset(options={"reset_mask": m, THAW_OPTION:
-    True})`` resets the masked envs through ManiSkill's partial reset (``options={"env_idx": ...}``). The
-    wrapper never autoresets (``metadata["autoreset_mode"] = DISABLED``).
+    The wrapper never autoresets (``metadata["autoreset_mode"] = DISABLED``): ``reset(options={"reset_mask":
+    m})`` resets the masked envs through ManiSkill's partial reset (``options={"env_idx": ...}``).
+
+    Freezing (rules of `wrappers.freeze`, on after `start_freezing()`, which `PolicyVectorEnv` calls): an env
+    that terminates or truncates is frozen; while frozen its observation and info rows are the terminal
+    ones, reward 0 and done flags False. The batched simulator still steps it (a GPU batch cannot skip
+    rows), which nobody observes before its reset. A reset that does not carry ``THAW_OPTION`` leaves frozen
+    envs alone; ``reset(options={"reset_mask": m, THAW_OPTION: True})`` resets and thaws the masked envs.
 
     Example:
         >>> venv = make_maniskill_env("PickCube-v1", num_envs=4, sim_backend="gpu")  # doctest: +SKIP
@@ -248,29 +367,43 @@ class ManiSkillFreezeWrapper(VectorWrapper):
         (True, True)
     """
 
-    def __init__(self, env: VectorEnv, instruction: str) -> None:
+    def __init__(
+        self,
+        env: VectorEnv,
+        instruction: str,
+        camera: str | Sequence[str] | None = None,
+        gripper_binarize: bool = False,
+    ) -> None:
         super().__init__(env)
         base = env.unwrapped
         self.instruction = instruction
+        self.gripper_binarize = bool(gripper_binarize)
         self.device = torch.device(str(base.device))
         raw_space = base.single_observation_space
-        state_dim = raw_space["agent"]["qpos"].shape[-1] + 7
+        self.cameras = camera_map(raw_space, camera)
+        self._goal = _goal_reader(base, base.spec.id if base.spec is not None else "", first_row=False)
+        state_dim = _state_dim(raw_space, self._goal)
         size = next(iter(raw_space["sensor_data"].values()))["rgb"].shape[-2]
-        self.single_observation_space = _single_obs_space(size, _camera_names(raw_space), state_dim)
+        self.single_observation_space = _single_obs_space(size, _camera_names(self.cameras), state_dim)
         self.observation_space = gym.vector.utils.batch_space(self.single_observation_space, self.num_envs)
         self.metadata = {**env.metadata, "autoreset_mode": AutoresetMode.DISABLED, FREEZABLE_KEY: True}
+        self._freezing = False
         self._frozen = torch.zeros(self.num_envs, dtype=torch.bool, device=self.device)
         self._terminal_obs: dict[str, Any] | None = None
         self._terminal_info: dict[str, Any] = {}
 
     @property
     def frozen(self) -> torch.Tensor:
-        """(N,) bool: envs that finished and wait for a thawing reset."""
+        """(N,) bool: envs that finished and wait for a thawing reset (none while freezing is off)."""
         return self._frozen.clone()
+
+    def start_freezing(self) -> None:
+        """Switches freezing on (see `wrappers.freeze.start_freezing`); from the next episode end on, rules 1-3 hold."""
+        self._freezing = True
 
     def _canonical(self, raw: Mapping[str, Any]) -> dict[str, Any]:
         base = self.env.unwrapped
-        images, state = _canonical_parts(raw, lambda: base.agent.tcp.pose.raw_pose)
+        images, state = _canonical_parts(raw, lambda: base.agent.tcp.pose.raw_pose, self.cameras, self._goal)
         return {"images": dict(images), "state": state, "task": (self.instruction,) * self.num_envs}
 
     def _merge(self, obs: dict[str, Any], info: dict[str, Any], keep: torch.Tensor) -> None:
@@ -312,6 +445,9 @@ class ManiSkillFreezeWrapper(VectorWrapper):
     def step(self, actions: Any) -> tuple[dict[str, Any], torch.Tensor, torch.Tensor, torch.Tensor, dict[str, Any]]:
         """Steps every env; frozen rows replay their terminal transition with reward 0."""
         actions = torch.as_tensor(actions, dtype=torch.float32, device=self.device)
+        if self.gripper_binarize:
+            actions = actions.clone()
+            actions[..., -1] = binarize_gripper(actions[..., -1]).float()
         raw, reward, terminated, truncated, info = self.env.step(actions)
         obs, info = self._canonical(raw), self._info(info)
         frozen = self._frozen
@@ -320,7 +456,7 @@ class ManiSkillFreezeWrapper(VectorWrapper):
         reward = torch.where(frozen, torch.zeros_like(reward), reward)
         self._merge(obs, info, frozen)
         done = terminated | truncated
-        if bool(done.any()):
+        if self._freezing and bool(done.any()):
             self._store(obs, info, done)
             self._frozen = frozen | done
         return obs, reward, terminated, truncated, info
@@ -366,7 +502,9 @@ def make_maniskill_env(
     vectorization: Literal["auto", "maniskill", "sync", "async"] = "auto",
     render_backend: str | None = None,
     ignore_terminations: bool = False,
-    autoreset_mode: AutoresetMode | str = AutoresetMode.NEXT_STEP,
+    camera: str | Sequence[str] | None = None,
+    gripper_binarize: bool = False,
+    autoreset_mode: AutoresetMode | str | None = None,
     context: str = "forkserver",
     **env_kwargs: Any,
 ) -> VectorEnv:
@@ -375,7 +513,8 @@ def make_maniskill_env(
     Args:
         task: ManiSkill env id; PickCube-v1 and PushCube-v1 are tested, any registered id works.
         num_envs: number of parallel envs.
-        sim_backend: "gpu" (batched PhysX on CUDA), "cpu", or "auto" (gpu when CUDA is available).
+        sim_backend: "gpu" (batched PhysX on CUDA; refused without CUDA), "cpu", or "auto" (gpu when CUDA is
+            available and `vectorization` is not "sync"/"async", which run one CPU simulator per sub-env).
         image_size: camera height and width (square).
         instruction: the task instruction; default from `MANISKILL_INSTRUCTIONS` or the id.
         control_mode: ManiSkill controller, e.g. "pd_ee_delta_pose" (7-dim, the default) or "pd_joint_pos".
@@ -385,8 +524,13 @@ def make_maniskill_env(
             CPUGymWrapper env per sub-env; the "auto" choice on CPU). The CPU simulator needs "sync"/"async"
             for ``num_envs > 1``.
         render_backend: SAPIEN render device (default "cpu" without CUDA, else ManiSkill's default).
-        ignore_terminations: do not end episodes on success (only on the step limit).
-        autoreset_mode: inner Sync/AsyncVectorEnv autoreset mode ("sync"/"async" only).
+        ignore_terminations: do not end episodes on success (only on the step limit; RLinf's convention, with
+            ``success_once`` and ``success_at_end`` both reported by `PolicyVectorEnv`'s episode statistics).
+        camera: the sensor shown as ``images["image"]``, or sensors in order of preference (RLinf's tasks use
+            ``3rd_view_camera``; the tasks in the wheel have ``base_camera``); None: ``base_camera``.
+        gripper_binarize: map the last action dim to ``2 * [g > 0.5] - 1`` before the simulator (RLinf).
+        autoreset_mode: inner Sync/AsyncVectorEnv autoreset mode ("sync"/"async" only; default NEXT_STEP for
+            "sync" and SAME_STEP for "async", whose Text observations cannot use shared memory).
         context: multiprocessing start method for "async".
         **env_kwargs: passed to ``gym.make`` (e.g. ``reconfiguration_freq``).
 
@@ -395,7 +539,8 @@ def make_maniskill_env(
 
     Raises:
         ImportError: ManiSkill3 (or SAPIEN) is not installed; names the extra to install.
-        ValueError: unknown task, bad backend/vectorization combination.
+        ValueError: unknown task, bad backend/vectorization combination, sim_backend="gpu" without CUDA.
+        RuntimeError: SAPIEN finds no working Vulkan driver (the message says how to install one).
 
     Example:
         >>> venv = make_maniskill_env("PickCube-v1", num_envs=2, sim_backend="cpu")  # doctest: +SKIP
@@ -403,26 +548,34 @@ def make_maniskill_env(
         >>> obs["images"]["image"].shape, obs["state"].shape  # doctest: +SKIP
         ((2, 224, 224, 3), (2, 16))
     """
-    if sim_backend == "auto":
-        sim_backend = "gpu" if torch.cuda.is_available() else "cpu"
-    if sim_backend not in ("gpu", "cpu"):
-        raise ValueError(f"make_maniskill_env: sim_backend must be 'gpu', 'cpu' or 'auto', got {sim_backend!r}")
-    if vectorization == "auto":
-        vectorization = "maniskill" if sim_backend == "gpu" else "sync"
-    if vectorization not in ("maniskill", "sync", "async"):
+    if vectorization not in ("auto", "maniskill", "sync", "async"):
         raise ValueError(
             f"make_maniskill_env: vectorization must be 'auto', 'maniskill', 'sync' or 'async', got {vectorization!r}"
         )
+    if sim_backend == "auto":
+        per_process = vectorization in ("sync", "async")
+        sim_backend = "gpu" if torch.cuda.is_available() and not per_process else "cpu"
+    if sim_backend not in ("gpu", "cpu"):
+        raise ValueError(f"make_maniskill_env: sim_backend must be 'gpu', 'cpu' or 'auto', got {sim_backend!r}")
+    if sim_backend == "gpu" and vectorization not in ("auto", "maniskill"):
+        raise ValueError(
+            "make_maniskill_env: the GPU simulator is batched; sim_backend='gpu' expects vectorization='maniskill', "
+            f"got vectorization={vectorization!r}."
+        )
+    if sim_backend == "gpu" and not torch.cuda.is_available():
+        raise ValueError(
+            "make_maniskill_env: sim_backend='gpu' runs ManiSkill's batched PhysX on CUDA, but this machine has no "
+            f"CUDA device (torch.cuda.is_available() is False, torch {torch.__version__}). Fix: pass "
+            "sim_backend='cpu' (or 'auto', which picks the CPU simulator here) with vectorization='sync' or "
+            "'async' for num_envs > 1, or run on a machine with an NVIDIA GPU and a CUDA build of torch."
+        )
+    if vectorization == "auto":
+        vectorization = "maniskill" if sim_backend == "gpu" else "sync"
     if vectorization == "maniskill" and sim_backend == "cpu" and num_envs > 1:
         raise ValueError(
             "make_maniskill_env: ManiSkill's CPU simulator runs one env per process, so vectorization='maniskill' "
             f"with sim_backend='cpu' expects num_envs=1, got num_envs={num_envs}; use vectorization='sync' "
             "or 'async' for num_envs > 1 on CPU."
-        )
-    if sim_backend == "gpu" and vectorization != "maniskill":
-        raise ValueError(
-            "make_maniskill_env: the GPU simulator is batched; sim_backend='gpu' expects vectorization='maniskill', "
-            f"got vectorization={vectorization!r}."
         )
     if num_envs < 1:
         raise ValueError(f"make_maniskill_env: num_envs must be >= 1, got {num_envs}")
@@ -448,11 +601,13 @@ def make_maniskill_env(
         from mani_skill.vector.wrappers.gymnasium import ManiSkillVectorEnv
 
         backend = "physx_cuda" if sim_backend == "gpu" else "physx_cpu"
-        env = gym.make(task, num_envs=num_envs, sim_backend=backend, **kwargs)
+        env = _gym_make(task, num_envs=num_envs, sim_backend=backend, **kwargs)
         inner = ManiSkillVectorEnv(env, auto_reset=False, ignore_terminations=ignore_terminations)
-        return ManiSkillFreezeWrapper(inner, text)
+        return ManiSkillFreezeWrapper(inner, text, camera=camera, gripper_binarize=gripper_binarize)
 
-    fn = functools.partial(_make_cpu_env, task, text, ignore_terminations, kwargs)
+    fn = functools.partial(_make_cpu_env, task, text, ignore_terminations, kwargs, camera, gripper_binarize)
+    if autoreset_mode is None:
+        autoreset_mode = AutoresetMode.NEXT_STEP if vectorization == "sync" else AutoresetMode.SAME_STEP
     vector_kwargs: dict[str, Any] = {}
     if vectorization == "async":
         vector_kwargs.update(context=context, shared_memory=False)

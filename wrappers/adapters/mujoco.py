@@ -12,13 +12,15 @@ from typing import Any, Literal
 
 import gymnasium as gym
 import numpy as np
+from gymnasium.utils import RecordConstructorArgs
 from gymnasium.vector import AutoresetMode, VectorEnv
 
 from wrappers.adapters.scripted import canonical_observation_space
+from wrappers.bounded_async import DEFAULT_TIMEOUT_S
 from wrappers.freeze import make_freezable_vector_env
 
 
-class MujocoCanonicalObservation(gym.ObservationWrapper):
+class MujocoCanonicalObservation(gym.ObservationWrapper, RecordConstructorArgs):
     """Maps a MuJoCo env's state vector to ``{"images": {camera: render()}, "state", "task"}``.
 
     Args:
@@ -34,7 +36,8 @@ class MujocoCanonicalObservation(gym.ObservationWrapper):
     """
 
     def __init__(self, env: gym.Env, task: str, camera: str = "image") -> None:
-        super().__init__(env)
+        RecordConstructorArgs.__init__(self, task=task, camera=camera)
+        gym.ObservationWrapper.__init__(self, env)
         if env.render_mode != "rgb_array":
             raise ValueError(
                 f"MujocoCanonicalObservation: the env must render with render_mode='rgb_array', got "
@@ -86,6 +89,8 @@ def make_mujoco_env(
     task: str = "push the puck to the goal",
     seed: int | None = None,
     autoreset_mode: AutoresetMode | str = AutoresetMode.SAME_STEP,
+    context: str = "forkserver",
+    timeout: float | None = DEFAULT_TIMEOUT_S,
     **env_kwargs: Any,
 ) -> VectorEnv:
     """A freezable vector env of a Gymnasium MuJoCo task yielding the canonical observation.
@@ -100,6 +105,10 @@ def make_mujoco_env(
         task: the instruction given to every env.
         seed: when given, the env is reset once with ``seed`` (env i gets seed + i).
         autoreset_mode: the inner autoreset mode (PolicyVectorEnv handles all three).
+        context: multiprocessing start method for "async". "forkserver" (default) or "spawn": a worker forked
+            from a process that already rendered (holds an EGL context) would wait forever in its first render.
+        timeout: seconds an "async" worker may take to answer (start, reset, step) before a `WorkerTimeoutError`
+            (None: wait forever).
         **env_kwargs: passed to ``gym.make`` (e.g. ``max_episode_steps``).
 
     Example:
@@ -111,7 +120,8 @@ def make_mujoco_env(
     _check_args(name, num_envs, image_size)
     os.environ.setdefault("MUJOCO_GL", "egl")
     fns = [lambda: _make_single(name, image_size, task, env_kwargs) for _ in range(num_envs)]
-    venv = make_freezable_vector_env(fns, vectorization=vectorization, autoreset_mode=autoreset_mode)
+    vector_kwargs: dict[str, Any] = {"context": context, "timeout": timeout} if vectorization == "async" else {}
+    venv = make_freezable_vector_env(fns, vectorization=vectorization, autoreset_mode=autoreset_mode, **vector_kwargs)
     if seed is not None:
         venv.reset(seed=seed)
     return venv

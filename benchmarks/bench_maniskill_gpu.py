@@ -41,8 +41,6 @@ import functools
 import json
 import math
 import statistics
-import subprocess
-import sys
 import tempfile
 import time
 import traceback
@@ -378,22 +376,24 @@ def section_overlap(args: argparse.Namespace, out: Path, policy: Pi05Policy, g1:
 
 
 def section_ppo(args: argparse.Namespace, out: Path) -> None:
-    """examples/ppo_pi05.py on the task for `args.ppo_iterations` iterations; its CSV becomes one row."""
+    """examples/ppo_pi05.py on the task for `args.ppo_iterations` iterations, in this process; one row."""
+    import runpy
+
     csv_path = Path(args.ppo_csv or tempfile.mkstemp(suffix=".csv")[1])
-    cmd = [
-        sys.executable, str(ROOT / "examples" / "ppo_pi05.py"), "--env", args.task, "--config", args.config,
-        "--device", args.device, "--num-envs", str(args.ppo_envs), "--total-iterations", str(args.ppo_iterations),
-        "--num-steps", "2", "--update-epochs", "1", "--num-minibatches", "2", "--action-chunk", str(args.chunk),
-        "--denoise-steps", str(args.denoise_steps), "--eval-episodes", "0", "--csv", str(csv_path),
+    argv = [
+        "--env", args.task, "--config", args.config, "--device", args.device, "--num-envs", str(args.ppo_envs),
+        "--total-iterations", str(args.ppo_iterations), "--num-steps", "2", "--update-epochs", "1",
+        "--num-minibatches", "2", "--action-chunk", str(args.chunk), "--denoise-steps", str(args.denoise_steps),
+        "--eval-episodes", "0", "--csv", str(csv_path),
     ]  # fmt: skip
     start = time.perf_counter()
+    error = None
     try:
-        proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=args.ppo_timeout)
-        returncode, stdout, stderr = proc.returncode, proc.stdout, proc.stderr
-    except subprocess.TimeoutExpired as err:  # the CSV comes at the end: keep the printed iteration lines
-        returncode, stdout, stderr = "timeout", _text(err.stdout), _text(err.stderr)
+        example = runpy.run_path(str(ROOT / "examples" / "ppo_pi05.py"))
+        example["train"](example["parse_args"](argv))
+    except Exception as err:  # noqa: BLE001  (the row records the failure)
+        error = f"{type(err).__name__}: {err}"[:1500]
     wall_s = time.perf_counter() - start
-    print(stdout[-4000:], stderr[-4000:], sep="\n", flush=True)
     rows = list(csv.DictReader(csv_path.open())) if csv_path.is_file() and csv_path.stat().st_size else []
     keys = ("pg_loss", "v_loss", "approx_kl", "clipfrac", "time_rollout", "time_train", "time_sync", "sps")
     iterations = [
@@ -409,14 +409,9 @@ def section_ppo(args: argparse.Namespace, out: Path) -> None:
         "bench": "maniskill_gpu_ppo", "config": args.config, "task": args.task, "num_envs": args.ppo_envs,
         "chunk": args.chunk, "num_steps": args.denoise_steps, "iterations": len(iterations), "finite": finite,
         "weight_synced": versions == list(range(versions[0], versions[0] + len(versions))) if versions else False,
-        "per_iteration": iterations, "wall_s": round(wall_s, 1), "returncode": returncode,
-        "command": " ".join(cmd[1:]), "iteration_lines": [x for x in stdout.splitlines() if x.startswith("iter")],
-        **({"stderr_tail": stderr[-1500:]} if returncode else {}),
+        "per_iteration": iterations, "wall_s": round(wall_s, 1), "command": " ".join(argv),
+        **({"error": error} if error else {}),
     })  # fmt: skip
-
-
-def _text(data: bytes | str | None) -> str:
-    return data.decode(errors="replace") if isinstance(data, bytes) else (data or "")
 
 
 def _failed(out: Path, what: str, err: BaseException) -> None:

@@ -87,7 +87,7 @@ EOF
 fi
 if want tests; then
   stamp "tests"
-  timeout -k 5 "$(cap 120)" python3 -m pytest -q -m cuda -p no:cacheprovider tests/wrappers/test_maniskill_gpu.py \
+  timeout -k 5 "$(cap 120)" python3 -m pytest -q -m cuda -p no:cacheprovider tests/wrappers/adapters/test_maniskill_gpu.py \
     >"$OUT/pytest_maniskill_gpu.log" 2>&1
   echo "pytest rc=$?"; tail -5 "$OUT/pytest_maniskill_gpu.log"
 fi

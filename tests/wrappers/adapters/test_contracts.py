@@ -20,7 +20,7 @@ from gymnasium.wrappers.vector import RecordEpisodeStatistics
 from phyai_gym.make import make_env
 from wrappers.bounded_async import WorkerTimeoutError
 
-ROOT = Path(__file__).resolve().parents[2]
+ROOT = Path(__file__).resolve().parents[3]
 HAVE_MUJOCO = importlib.util.find_spec("mujoco") is not None
 HAVE_MANISKILL = importlib.util.find_spec("mani_skill") is not None
 HAVE_LIBERO = importlib.util.find_spec("libero") is not None

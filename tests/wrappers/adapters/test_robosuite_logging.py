@@ -10,7 +10,7 @@ import pytest
 
 from wrappers.adapters.robosuite_logging import ROBOSUITE_LOGGER, quiet_robosuite_macros
 
-ROOT = Path(__file__).resolve().parents[2]
+ROOT = Path(__file__).resolve().parents[3]
 
 
 def _passes(message: str) -> bool:

@@ -27,6 +27,7 @@ Example:
 
 from __future__ import annotations
 
+import functools
 import importlib.util
 from dataclasses import dataclass, field
 
@@ -84,7 +85,18 @@ GEMM_MAX_SCORES = 1 << 22
 tensor's memory traffic then outweighs the fused kernel's poor occupancy (the crossover is measured by
 `benchmarks/bench_expert_attention.py`)."""
 
-_OUT_DTYPE_OK: dict[str, bool] = {}  # device type -> whether bmm/baddbmm accept out_dtype for half operands
+
+@functools.cache
+def _half_scores_supported(device: torch.device) -> bool:
+    """Whether `baddbmm` takes half operands with a float32 output (`out_dtype`) on `device` (a capability probe)."""
+    if device.type != "cuda":
+        return False
+    x = torch.zeros(1, 1, 1, dtype=torch.bfloat16, device=device)
+    try:
+        torch.baddbmm(torch.zeros(1, 1, 1, device=device), x, x, out_dtype=torch.float32)
+    except (RuntimeError, TypeError, NotImplementedError):
+        return False
+    return True
 
 
 def _scores_fp32(q: torch.Tensor, kt: torch.Tensor, mask: torch.Tensor, scale: float, grad: bool) -> torch.Tensor:
@@ -92,11 +104,8 @@ def _scores_fp32(q: torch.Tensor, kt: torch.Tensor, mask: torch.Tensor, scale: f
 
     Half operands with float32 output where the device supports it (outside autograd), else operands upcast.
     """
-    if not grad and q.dtype in (torch.float16, torch.bfloat16) and _OUT_DTYPE_OK.get(q.device.type, q.is_cuda):
-        try:
-            return torch.baddbmm(mask, q, kt, alpha=scale, out_dtype=torch.float32)
-        except (RuntimeError, TypeError, NotImplementedError):
-            _OUT_DTYPE_OK[q.device.type] = False  # decided on the first (eager, pre-capture) call
+    if not grad and q.dtype in (torch.float16, torch.bfloat16) and _half_scores_supported(q.device):
+        return torch.baddbmm(mask, q, kt, alpha=scale, out_dtype=torch.float32)
     work = torch.float64 if q.dtype == torch.float64 else torch.float32
     return torch.baddbmm(mask.to(work), q.to(work), kt.to(work), alpha=scale)
 

@@ -74,20 +74,14 @@ def _pil_bilinear_coeffs(in_size: int, out_size: int) -> tuple[tuple[int, ...], 
     return tuple(starts), fixed
 
 
-_COEFF_TENSORS: dict[tuple[int, int, str], tuple[torch.Tensor, torch.Tensor]] = {}
-
-
+@functools.cache
 def _coeff_tensors(in_size: int, out_size: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
     """Device tensors of `_pil_bilinear_coeffs`, built once per (sizes, device): no copy on the step path."""
-    key = (in_size, out_size, str(device))
-    cached = _COEFF_TENSORS.get(key)
-    if cached is None:
-        starts, fixed = _pil_bilinear_coeffs(in_size, out_size)
-        cached = _COEFF_TENSORS[key] = (
-            torch.tensor(starts, dtype=torch.int64, device=device),
-            torch.tensor(fixed, dtype=torch.int32, device=device),
-        )
-    return cached
+    starts, fixed = _pil_bilinear_coeffs(in_size, out_size)
+    return (
+        torch.tensor(starts, dtype=torch.int64, device=device),
+        torch.tensor(fixed, dtype=torch.int32, device=device),
+    )
 
 
 def _antialias_pass(x: torch.Tensor, out_size: int, dim: int) -> torch.Tensor:

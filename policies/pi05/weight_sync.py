@@ -307,7 +307,7 @@ class WeightSync:
         """One-call update from an `nn.Module`, a state dict or pairs; parameters outside `expected` are skipped."""
         self.begin(expected)  # every failure below ends the update
         self.stage(source, skip_outside=True, where="sync_weights")
-        return self.commit()
+        return self.commit(where="sync_weights")
 
     @contextlib.contextmanager
     def reading(self) -> Iterator[None]:

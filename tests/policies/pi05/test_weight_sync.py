@@ -644,3 +644,15 @@ def test_cuda_bf16_sync_refreshes_the_modulation_tables(monkeypatch: pytest.Monk
     monkeypatch.setattr(stale.scheduler, "refresh_tables", lambda: None)
     stale.sync_weights(trainer)
     assert not torch.equal(act(stale, x).actions, act(fresh, x).actions)
+
+
+def test_sync_weights_errors_name_sync_weights() -> None:
+    """A refused one-call sync speaks of `sync_weights`, not of the transaction step it failed in."""
+    policy = make_policy(make_model(0))
+    source = make_model(1)
+    with torch.no_grad():
+        source.expert.layers[0].mlp.down_proj.weight[0, 0] = float("nan")
+    before = {n: p.clone() for n, p in policy.model.named_parameters()}
+    with pytest.raises(WeightSyncError, match=r"^sync_weights: non-finite values"):
+        policy.sync_weights(source)
+    assert all(torch.equal(p, before[n]) for n, p in policy.model.named_parameters())

@@ -244,18 +244,19 @@ def bench_act(out: Path, device: str = "cuda", sizes=(8, 16, 24, 40, 48, 56, 64)
     policy.close()
 
 
-def bench_iteration(out: Path, iterations: int = 16) -> None:
-    """The PPO example in this process (its own CSV and plot go to DIR)."""
+def bench_iteration(out: Path, iterations: int = 16, flags: tuple[str, ...] = ()) -> None:
+    """The PPO example in this process with extra `flags` (its own CSV and plot go to DIR)."""
     import runpy
 
     example = runpy.run_path(str(ROOT / "examples" / "ppo_pi05.py"))
     args = example["parse_args"](["--config", "base", "--device", "cuda", "--total-iterations", str(iterations),
-                                  "--csv", str((out or Path(tempfile.mkdtemp())) / "ppo_iteration.csv")])
+                                  "--csv", str((out or Path(tempfile.mkdtemp())) / "ppo_iteration.csv"), *flags])
     t0 = time.perf_counter()
     result = example["train"](args)
     curve = result["curve"]
     split = {k: float(np.median([r[f"time_{k}"] for r in curve])) for k in ("rollout", "train", "sync")}
-    _row(out, {"bench": "ppo_iteration", "config": "base", "env": "target", "num_envs": args.num_envs,
+    _row(out, {"bench": "ppo_iteration", "config": "base", "env": "target", "flags": " ".join(flags),
+               "seed": args.seed, "num_envs": args.num_envs,
                "T": args.num_steps, "epochs": args.update_epochs, "minibatches": args.num_minibatches,
                "iterations": len(curve), "iteration_s_p50": float(np.median([r["time_rollout"] + r["time_train"]
                                                                             + r["time_sync"] for r in curve])),

@@ -144,15 +144,20 @@ def _time_updates(trainer, master, batch, steps: int, warmup: int = 2, graphs: b
     return times
 
 
-def _kernels_per_minibatch(trainer, master, batch, graphs: bool = False) -> int:
+def _kernels_per_minibatch(trainer, master, batch, graphs: bool = False) -> tuple[int, int]:
+    """(CUDA kernels executed, kernel + graph launches issued by the host) in one update step."""
     from torch.profiler import ProfilerActivity, profile
 
     optimizer = torch.optim.Adam(master.parameters(), lr=5e-6, eps=1e-5)
     sub = batch.select(torch.arange(MINIBATCH, device=batch.chains.device))
-    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
         _update_step(trainer, master, optimizer, sub, graphs)
         torch.cuda.synchronize()
-    return int(sum(e.count for e in prof.key_averages() if e.device_type.name == "CUDA"))
+    events = prof.key_averages()
+    kernels = sum(e.count for e in events if e.device_type.name == "CUDA")
+    launches = sum(e.count for e in events if e.key in ("cudaLaunchKernel", "cuLaunchKernel", "cudaLaunchKernelExC",
+                                                        "cuLaunchKernelEx", "cudaGraphLaunch"))  # fmt: skip
+    return int(kernels), int(launches)
 
 
 def bench_update(out: Path, device: str = "cuda") -> None:
@@ -174,6 +179,7 @@ def bench_update(out: Path, device: str = "cuda") -> None:
             torch.cuda.reset_peak_memory_stats()
             graphs = name == "default_graphed"
             times = _time_updates(trainer, master, data, steps=8 if trainer_dtype is None else 3, graphs=graphs)
+            kernels, launches = _kernels_per_minibatch(trainer, master, data, graphs)
             p50 = float(np.median(times)) + encode_s / (EPOCHS * BATCH // MINIBATCH)
             _row(out, {"bench": "ppo_update", "trainer": name, "setting": SETTING, "minibatch": MINIBATCH,
                        "K": 5, "method": "sde joint", "trainable": "expert",
@@ -186,7 +192,7 @@ def bench_update(out: Path, device: str = "cuda") -> None:
                        "peak_mem_gib": (torch.cuda.max_memory_allocated() - held) / 2**30,
                        "process_peak_gib": torch.cuda.max_memory_allocated() / 2**30,
                        "rollout_policy_gib": held / 2**30,
-                       "kernels_per_minibatch": _kernels_per_minibatch(trainer, master, data, graphs)})
+                       "kernels_per_minibatch": kernels, "host_launches_per_minibatch": launches})
         del rollout, trainer, master, batch
         torch.cuda.empty_cache()
 

@@ -62,8 +62,8 @@ class Args:
     """"expert" (action expert, projections, heads) or "all" """
     trainer_dtype: str | None = None
     """compute dtype of the trainer copy (None: the rollout's, with float32 master weights; or "float32")"""
-    trainer_cuda_graphs: bool = False
-    """replay the trainer's evaluate() forward and backward as CUDA graphs on a GPU (kept-prefix batches)"""
+    trainer_cuda_graphs: bool = True
+    """replay the trainer's evaluate() forward and backward as CUDA graphs (GPU, kept-prefix batches; else eager)"""
     method: str = "sde"
     """rollout noise: "sde" (flow-SDE) or "noise" (learned noise head)"""
     joint: bool = True
@@ -265,7 +265,7 @@ def _train(args: Args, curves: CurveLog) -> dict:
             np.random.shuffle(b_idx)
             for start in range(0, args.batch_size, args.minibatch_size):
                 mb = torch.as_tensor(b_idx[start : start + args.minibatch_size], device=device)
-                # differentiable log-probs and values (--trainer-cuda-graphs: forward and backward replayed)
+                # differentiable log-probs and values (on a GPU: forward and backward replayed as CUDA graphs)
                 new = trainer.evaluate(b_samples.select(mb), cuda_graphs=args.trainer_cuda_graphs)
                 log_ratio = new.log_prob - b_log_probs[mb]
                 ratio = log_ratio.exp()

@@ -56,8 +56,9 @@ def test_declared_batch_sizes_are_captured_once_and_never_again():
     assert policy.scheduler.bucket_for(3) == 3 and policy.scheduler.bucket_for(5) == 5
 
 
-def test_graphed_evaluate_equals_eager_gradients_included():
-    model = _model()
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_graphed_evaluate_equals_eager_gradients_included(dtype):
+    model = _model(dtype)
     rollout, trainer = _keeping(_policy(model, graphs=True)), _keeping(_policy(model, graphs=False))
     batch = RolloutBatch.from_output(rollout.act_inputs(_inputs(6, 48, 40), seeds=torch.arange(6)))
 
@@ -65,15 +66,19 @@ def test_graphed_evaluate_equals_eager_gradients_included():
         trainer.model.zero_grad(set_to_none=True)
         ev = trainer.evaluate(batch, cuda_graphs=graphed)
         (ev.log_prob.sum() + ev.values.sum()).backward()
-        grads = {n: p.grad.clone() for n, p in trainer.model.named_parameters() if p.grad is not None}
+        grads = {n: p.grad.float().clone() for n, p in trainer.model.named_parameters() if p.grad is not None}
         return ev.log_prob.detach().clone(), ev.values.detach().clone(), grads
 
+    # float32: equal to float rounding. bfloat16: the backward's atomic index_add / GEMM split-K order differs between
+    # capture and eager launches, so gradients agree to bf16 rounding: relative error of each gradient's norm.
+    tol = 1e-4 if dtype == torch.float32 else 2e-2
     for _ in range(2):  # the first graphed call captures, the second replays
         eager, graphed = run(False), run(True)
         torch.testing.assert_close(graphed[0], eager[0], atol=1e-5, rtol=1e-5)
         torch.testing.assert_close(graphed[1], eager[1], atol=1e-5, rtol=1e-5)
         assert graphed[2].keys() == eager[2].keys() and len(eager[2]) > 10
-        for name in eager[2]:
-            torch.testing.assert_close(graphed[2][name], eager[2][name], atol=1e-4, rtol=1e-3, msg=name)
+        rel = {n: float((graphed[2][n] - g).norm() / g.norm().clamp_min(1e-12)) for n, g in eager[2].items()}
+        worst = max(rel, key=rel.get)
+        assert rel[worst] <= tol, f"{worst}: |graphed - eager| / |eager| = {rel[worst]:.2e} > {tol:.0e}"
         with torch.no_grad():  # an optimizer step in place: the next replay reads the new weights
             trainer.model.expert.layers[0].mlp.down_proj.weight.mul_(1.5)

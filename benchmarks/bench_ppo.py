@@ -73,7 +73,8 @@ def _inputs(n: int, device: str, seed: int = 0):
 
 
 def _policies(device: str, trainer_dtype: torch.dtype | None):
-    """(graph rollout policy in bf16 keeping its prefix, eager trainer copy with the same weights, its masters)."""
+    """(graph rollout policy in bf16 keeping its prefix, eager trainer copy with the same weights, its masters,
+    the bytes the rollout policy holds: weights, buffers, graphs)."""
     from policies.master_weights import MasterWeights
     from policies.pi05.model import Pi05Model
     from policies.pi05.policy import Pi05Policy, RolloutConfig
@@ -91,7 +92,7 @@ def _policies(device: str, trainer_dtype: torch.dtype | None):
                             camera_sets=((0, 1),))
     rollout = Pi05Policy(model, _Processor(), rollout_cfg, sched)
     torch.cuda.synchronize()
-    rollout.held_bytes = torch.cuda.memory_allocated() - sum(t.nbytes for t in state.values())
+    held = torch.cuda.memory_allocated() - sum(t.nbytes for t in state.values())
     with torch.device(device):
         trainer_model = Pi05Model(cfg)
     trainer_model.load_state_dict(state)
@@ -102,7 +103,7 @@ def _policies(device: str, trainer_dtype: torch.dtype | None):
     if trainer_dtype is None:
         trainer.model.share_prefix(rollout.model)  # as the PPO example: one copy of the frozen prefix weights
     master = MasterWeights(p for _, p in trainer.trainable_parameters())
-    return rollout, trainer, master
+    return rollout, trainer, master, held
 
 
 def _rollout_batch(rollout, device: str):
@@ -162,9 +163,8 @@ def _kernels_per_minibatch(trainer, master, batch, graphs: bool = False) -> tupl
 
 def bench_update(out: Path, device: str = "cuda") -> None:
     for trainer_dtype in (None, torch.float32):
-        rollout, trainer, master = _policies(device, trainer_dtype)
+        rollout, trainer, master, held = _policies(device, trainer_dtype)
         batch = _rollout_batch(rollout, device)
-        held = rollout.held_bytes  # what the rollout policy holds (weights, buffers, graphs)
         variants = [("default", batch)] if trainer_dtype is None else [("float32", replace(batch, prefix=None))]
         if trainer_dtype is None:
             variants = [("default_graphed", batch), *variants, ("default_encode_once", replace(batch, prefix=None))]
@@ -199,7 +199,7 @@ def bench_update(out: Path, device: str = "cuda") -> None:
 
 def bench_ratio(out: Path, device: str = "cuda") -> None:
     for trainer_dtype in (None, torch.float32):
-        rollout, trainer, master = _policies(device, trainer_dtype)
+        rollout, trainer, master, _ = _policies(device, trainer_dtype)
         batch = _rollout_batch(rollout, device)
         if trainer_dtype is not None:
             batch = replace(batch, prefix=None)

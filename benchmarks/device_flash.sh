@@ -87,7 +87,7 @@ for geo in ((16, 16, 72, False), (8, 1, 256, True)):
 EOF
 rc=$?; cat "$OUT/smoke.log" | tail -20; status "smoke rc=$rc: $(grep -E 'max_rel_err|Error|error' "$OUT/smoke.log" | tail -2 | tr '\n' ' ')"
 
-timeout "${BENCH_TIMEOUT:-330}" "$PY" -m benchmarks.bench_attention_backend --out "$OUT" > "$OUT/bench.log" 2>&1
+timeout "${BENCH_TIMEOUT:-300}" "$PY" -m benchmarks.bench_attention_backend --out "$OUT" > "$OUT/bench.log" 2>&1
 rc=$?; status "bench rc=$rc ($(grep -c '"bench": "attention_backend"' "$OUT/bench.log") rows in $OUT/attention_backend.jsonl)"
 "$PY" - "$OUT/attention_backend.jsonl" <<'EOF' 2>&1 | tee "$OUT/bench_table.txt"
 import json, sys
@@ -100,6 +100,6 @@ for r in rows:
           r.get("kernel"), "| err", r.get("max_rel_err"), "| us", r.get("us_per_call"), r.get("timing", ""))
 EOF
 
-timeout "${TEST_TIMEOUT:-150}" "$PY" -m pytest -q -m cuda -p no:cacheprovider tests/policies/pi05/test_attention_flash_cuda.py tests/policies/pi05/test_attention.py > "$OUT/pytest_flash.log" 2>&1
+timeout "${TEST_TIMEOUT:-120}" "$PY" -m pytest -q -m cuda -p no:cacheprovider tests/policies/pi05/test_attention_flash_cuda.py tests/policies/pi05/test_attention.py > "$OUT/pytest_flash.log" 2>&1
 rc=$?; status "cuda tests rc=$rc: $(tail -1 "$OUT/pytest_flash.log")"
 exit 0

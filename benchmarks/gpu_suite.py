@@ -118,6 +118,7 @@ SECTIONS: dict[str, Section] = {
     "overlap": section("benchmarks.bench_overlap"),
     "batch_invariance": section("benchmarks.bench_batch_invariance"),
     "ppo": section("benchmarks.bench_ppo"),
+    "attention_backend": section("benchmarks.bench_attention_backend"),
 }
 """Section name -> function of the output folder, in the order ``--sections`` defaults to."""
 

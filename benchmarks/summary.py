@@ -42,6 +42,9 @@ TABLES: dict[str, Table] = {
     "cuda_tests": Table((), ("returncode", "summary")),
     "gpu_suite": Table(("section",), ("status", "seconds")),
     "expert_attention": Table(("case", "batch"), ("keys", "sdpa_us", "gemm_us")),
+    "attention_backend": Table(
+        ("site", "case", "env_batch", "backend"), ("status", "kernel", "max_rel_err", "us_per_call", "timing")
+    ),
     "profile": Table(("case", "batch", "stage"), ("wall_ms", "kernel_ms", "kernels_per_call")),
     "processor": Table(("device", "config.resize_mode", "batch"), ("p50_ms", "p90_ms", "samples_per_s")),
     "wrapper_overhead": Table(

@@ -10,8 +10,16 @@ sequentially, few tiles for a small batch: at batch 1 that is most of the denois
 that share the K/V head into rows makes attention two batched GEMMs and a softmax over (B, Nh*T, S) scores:
 float32 scores (bf16 operands, float32 accumulation and output on CUDA), float32 softmax, probabilities cast
 to the value dtype for the second GEMM. Where it does not apply (several K/V heads, very large score tensors outside
-autograd) it falls back to SDPA. Under autograd (the PPO trainer's `evaluate()`) it always serves, with operands
-upcast to float32 (exact for bf16 values), so the trainer computes its scores as the rollout's graphs do.
+autograd) it hands over to "flash" (FlashAttention-4 where it runs, else SDPA). Under autograd (the PPO trainer's
+`evaluate()`) it always serves, with operands upcast to float32 (exact for bf16 values), so the trainer computes its
+scores as the rollout's graphs do.
+
+The "flash" backend is FlashAttention-4 (`flash_attn.cute`, the CuTe-DSL kernels of the ``flash-attn-4``
+distribution; see `flash_attn_status`). Key validity reaches it as lengths: the keys are a set (RoPE is already in
+them), so each row's valid keys are moved to the front (a stable scatter computed on the device, no host sync) and
+the kernel reads the first ``seqused_k`` of them. It serves forward-only calls on CUDA sm90/sm100 in half dtypes
+with a head width it compiles (8..256, a multiple of 8); any other call, and every call when the package is
+missing or its probe kernel failed, hands over to SDPA. `served_by` names the kernel a call of a given shape runs.
 
 Query rows of padded tokens are never read downstream; the additive mask uses a large *finite* negative
 (-2.3819763e38, as openpi/LeRobot) so such rows stay finite (uniform attention) instead of NaN.
@@ -28,6 +36,7 @@ Example:
 from __future__ import annotations
 
 import functools
+import importlib.metadata
 import importlib.util
 from dataclasses import dataclass, field
 
@@ -41,9 +50,52 @@ BACKENDS = ("eager", "sdpa", "flash", "gemm")
 SITES = ("vision", "prefix", "expert")
 
 
+FLASH_DISTRIBUTION = "flash-attn-4"
+"""The distribution that provides `flash_attn.cute` (the ``flash`` extra of pyproject.toml)."""
+
+
+@functools.cache
+def flash_attn_status() -> str | None:
+    """Why FlashAttention-4 cannot run in this process (import failed: the exact error), or None when it imports.
+
+    A pure capability probe of the installation; the device and shapes are checked by `flash_serves`.
+    """
+    if importlib.util.find_spec("flash_attn") is None:
+        return f"{FLASH_DISTRIBUTION} is not installed (pip install 'phyai-gym[flash]')"
+    try:
+        import flash_attn.cute  # noqa: F401 - the import itself is the probe
+    except Exception as err:  # noqa: BLE001 - any import failure means "not available", with its reason
+        return f"import flash_attn.cute failed: {type(err).__name__}: {err}"
+    return None
+
+
 def flash_attn_available() -> bool:
-    """Whether the optional flash-attn package is importable (never required)."""
-    return importlib.util.find_spec("flash_attn") is not None
+    """Whether `flash_attn.cute` (FlashAttention-4) is importable (never required)."""
+    return flash_attn_status() is None
+
+
+def flash_kernel_name() -> str:
+    """The kernel package and version "flash" calls, e.g. ``flash_attn.cute 4.0.0b36``."""
+    try:
+        version = importlib.metadata.version(FLASH_DISTRIBUTION)
+    except importlib.metadata.PackageNotFoundError:
+        version = "?"
+    return f"flash_attn.cute {version}"
+
+
+@functools.cache
+def flash_device_status(device: torch.device) -> str | None:
+    """Why `device` cannot run FlashAttention-4 (not CUDA, or not sm90/sm100/sm110), or None (a capability probe)."""
+    if device.type != "cuda":
+        return f"device is {device.type}, not CUDA"
+    if flash_attn_status() is not None:
+        return flash_attn_status()
+    if not torch.cuda.is_available():
+        return "CUDA is not available"
+    major, minor = torch.cuda.get_device_capability(device)
+    if major not in (9, 10, 11):
+        return f"compute capability sm{major}{minor} (flash_attn.cute is routed on sm90/sm100/sm110 only)"
+    return None
 
 
 def additive_mask(key_mask: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
@@ -81,7 +133,7 @@ def _sdpa(q, k, v, key_mask, scale):
 
 
 GEMM_MAX_SCORES = 1 << 22
-"""Above this many score elements (B * Nh * T * S) the "gemm" backend hands over to SDPA: the float32 score
+"""Above this many score elements (B * Nh * T * S) the "gemm" backend hands over to flash/SDPA: the float32 score
 tensor's memory traffic then outweighs the fused kernel's poor occupancy (the crossover is measured by
 `benchmarks/bench_expert_attention.py`)."""
 
@@ -111,7 +163,7 @@ def _scores_fp32(q: torch.Tensor, kt: torch.Tensor, mask: torch.Tensor, scale: f
 
 
 def gemm_serves(batch: int, heads: int, kv_heads: int, queries: int, keys: int, grad: bool = False) -> bool:
-    """Whether the "gemm" backend computes a call of this shape itself (else it hands it to SDPA).
+    """Whether the "gemm" backend computes a call of this shape itself (else it hands it to flash, else SDPA).
 
     Callers that prebuild an additive mask use it to build the mask in the dtype the serving path adds it in
     (float32 for "gemm", the compute dtype for SDPA), so no per-call conversion runs. Under autograd (`grad`) it
@@ -125,7 +177,7 @@ def _gemm(q, k, v, key_mask, scale):
     s = k.shape[2]
     needs_grad = torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad)
     if not gemm_serves(b, n, k.shape[1], t, s, needs_grad):
-        return _sdpa(q, k, v, key_mask, scale)
+        return _flash(q, k, v, key_mask, scale)  # FlashAttention-4 where it serves, else SDPA
     # Rows are (token, head) when q is token-major in memory (the projection's layout), else (head, token); the
     # output keeps that layout, so the o-projection's reshape of a token-major result is free.
     token_major = q.stride(1) < q.stride(2)
@@ -143,12 +195,133 @@ def _gemm(q, k, v, key_mask, scale):
     return out.view(b, n, t, hd)
 
 
-def _flash(q, k, v, key_mask, scale):
-    from flash_attn import flash_attn_func  # optional dependency, imported lazily
+FLASH_DTYPES = (torch.float16, torch.bfloat16)
 
-    # flash-attn wants (B, T, Nh, hd); it handles MQA natively. Only unmasked sites are routed here.
-    out = flash_attn_func(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), softmax_scale=scale)
+
+def flash_shape_status(
+    device: torch.device, dtype: torch.dtype, heads: int, kv_heads: int, head_dim: int, grad: bool = False
+) -> str | None:
+    """Why a call of this geometry does not run FlashAttention-4, or None when it does (see `served_by`)."""
+    reason = flash_device_status(device)
+    if reason is not None:
+        return reason
+    if dtype not in FLASH_DTYPES:
+        return f"dtype {dtype} (flash runs float16/bfloat16)"
+    if grad:
+        return "autograd call (flash is routed forward-only)"
+    major = torch.cuda.get_device_capability(device)[0]
+    widths = "8..256" if major == 9 else "8..128 or 256"  # flash_attn.cute's _validate_head_dims
+    fits = 8 <= head_dim <= 256 if major == 9 else 8 <= head_dim <= 128 or head_dim == 256
+    if head_dim % 8 or not fits:
+        return f"head_dim {head_dim} (sm{major}x runs multiples of 8 in {widths})"
+    if heads % kv_heads:
+        return f"{heads} query heads are not a multiple of {kv_heads} K/V heads"
+    return None
+
+
+@functools.cache
+def _flash_probe(
+    device: torch.device, dtype: torch.dtype, heads: int, kv_heads: int, head_dim: int, masked: bool
+) -> str | None:
+    """Run one tiny call of this geometry against the float32 reference: None, or the exact failure (cached)."""
+    try:
+        gen = torch.Generator(device=device).manual_seed(0)
+        q = torch.randn(2, heads, 5, head_dim, device=device, generator=gen).to(dtype)
+        k = torch.randn(2, kv_heads, 40, head_dim, device=device, generator=gen).to(dtype)
+        v = torch.randn(2, kv_heads, 40, head_dim, device=device, generator=gen).to(dtype)
+        mask = (torch.arange(40, device=device) % 3 != 1).expand(2, 40) if masked else None
+        out = _flash_call(q, k, v, mask, head_dim**-0.5).float()
+        ref = _eager(q.float(), k.float(), v.float(), mask, head_dim**-0.5)
+        err = ((out - ref).abs().max() / ref.abs().max()).item()
+    except Exception as err:  # noqa: BLE001 - a failing kernel means "not available", with its reason
+        return f"probe call failed: {type(err).__name__}: {err}"[:500]
+    if not err < 2e-2:
+        return f"probe call wrong: max relative error {err:.3g} against the float32 reference"
+    return None
+
+
+def flash_serves(q: torch.Tensor, k: torch.Tensor, key_mask: torch.Tensor | None) -> str | None:
+    """Why "flash" hands this call to SDPA, or None when FlashAttention-4 runs it.
+
+    The first call of a geometry outside CUDA-graph capture also runs a tiny probe call (cached per geometry);
+    during capture only the static checks apply (the scheduler's warm-up, which precedes capture, ran the probe).
+    """
+    grad = torch.is_grad_enabled() and (q.requires_grad or k.requires_grad)
+    reason = flash_shape_status(q.device, q.dtype, q.shape[1], k.shape[1], q.shape[-1], grad)
+    if reason is not None or k.dtype != q.dtype:
+        return reason or f"k dtype {k.dtype} != q dtype {q.dtype}"
+    if torch.cuda.is_current_stream_capturing():
+        return None
+    return _flash_probe(q.device, q.dtype, q.shape[1], k.shape[1], q.shape[-1], key_mask is not None)
+
+
+def _valid_first(x: torch.Tensor, valid: torch.Tensor, num_valid: torch.Tensor) -> torch.Tensor:
+    """(B, S, N, hd) keys with each row's valid keys moved to the front, in order (a stable permutation)."""
+    # destination of key j: its rank among the valid keys, else num_valid + its rank among the invalid ones
+    dest = torch.where(valid, valid.cumsum(1) - 1, num_valid[:, None] + (~valid).cumsum(1) - 1)
+    index = dest[:, :, None, None].expand(x.shape)
+    return x.new_empty(x.shape).scatter_(1, index, x)
+
+
+def _flash_call(q, k, v, key_mask, scale):
+    from flash_attn.cute import flash_attn_func, flash_attn_varlen_func  # optional, imported lazily
+
+    # FlashAttention takes (B, T, Nh, hd) and (B, S, Nkv, hd); it packs the query heads of a K/V head (GQA/MQA).
+    qt, kt, vt = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)
+    if key_mask is None:
+        out, _ = flash_attn_func(qt, kt, vt, softmax_scale=scale)
+        return out.transpose(1, 2)
+    b, s = q.shape[0], k.shape[2]
+    if key_mask.dtype == torch.bool:
+        valid = key_mask.expand(b, s)
+    else:  # a prebuilt additive mask (B or 1, 1, 1, S): 0 marks a valid key
+        valid = (key_mask.reshape(key_mask.shape[0], s) == 0).expand(b, s)
+    num_valid = valid.sum(dim=1, dtype=torch.int32)
+    kt, vt = _valid_first(kt, valid, num_valid), _valid_first(vt, valid, num_valid)
+    out, _ = flash_attn_varlen_func(qt, kt, vt, seqused_k=num_valid, softmax_scale=scale)
     return out.transpose(1, 2)
+
+
+def _flash(q, k, v, key_mask, scale):
+    if flash_serves(q, k, key_mask) is not None:
+        return _sdpa(q, k, v, key_mask, scale)
+    return _flash_call(q, k, v, key_mask, scale)
+
+
+def served_by(
+    backend: str,
+    device: torch.device,
+    dtype: torch.dtype,
+    batch: int,
+    heads: int,
+    kv_heads: int,
+    queries: int,
+    keys: int,
+    head_dim: int,
+    grad: bool = False,
+) -> str:
+    """The kernel a call of this shape runs under `backend`: "eager", "sdpa", "gemm" or the flash kernel name.
+
+    A hand-over says why, e.g. ``sdpa (flash: autograd call ...)``. The flash probe is not run here: its result is
+    reported once it ran (`flash_probe_result`).
+    """
+    if backend == "gemm":
+        if gemm_serves(batch, heads, kv_heads, queries, keys, grad):
+            return "gemm"
+        reason = flash_shape_status(device, dtype, heads, kv_heads, head_dim, grad)
+        return "sdpa (gemm: above GEMM_MAX_SCORES or several K/V heads)" if reason else flash_kernel_name()
+    if backend == "flash":
+        reason = flash_shape_status(device, dtype, heads, kv_heads, head_dim, grad)
+        return f"sdpa (flash: {reason})" if reason else flash_kernel_name()
+    return backend
+
+
+def flash_probe_result(
+    device: torch.device, dtype: torch.dtype, heads: int, kv_heads: int, head_dim: int, masked: bool
+) -> str | None:
+    """Run (or recall) the probe call of this geometry: None when FlashAttention-4 computed it correctly."""
+    reason = flash_shape_status(device, dtype, heads, kv_heads, head_dim)
+    return reason if reason is not None else _flash_probe(device, dtype, heads, kv_heads, head_dim, masked)
 
 
 def attend(
@@ -176,10 +349,11 @@ def attend(
 class AttentionConfig:
     """Which backend each call site asks for: "auto", "eager", "sdpa", "flash" or "gemm".
 
-    "auto" takes flash-attn where it is importable, on CUDA, in a half dtype and for an unmasked site
-    (vision), "gemm" for the expert on CUDA (short query blocks against the prefix cache), and SDPA everywhere
-    else. A request that cannot be served falls back (flash -> sdpa) and
-    the fallback is recorded in `AttentionPlan.reasons`.
+    "auto" takes FlashAttention-4 ("flash") for the vision tower and the prefix where it runs (CUDA sm90/sm100, a
+    half dtype, `flash_attn.cute` importable), "gemm" for the expert on CUDA (short query blocks against the
+    prefix cache; above `GEMM_MAX_SCORES` it hands over to flash, else SDPA), and SDPA everywhere else. A request
+    that cannot be served falls back (flash -> sdpa) and the fallback is recorded in `AttentionPlan.reasons`;
+    `AttentionPlan.flash` says which flash kernel runs, or why none does.
 
     Example:
         >>> plan = AttentionConfig(prefix="eager").resolve(torch.device("cpu"), torch.float32)
@@ -204,26 +378,23 @@ class AttentionConfig:
 
     def resolve(self, device: torch.device, dtype: torch.dtype) -> AttentionPlan:
         """Pick a concrete backend per site for `device` and `dtype`."""
-        plan = AttentionPlan()
-        has_flash = flash_attn_available()
+        no_flash = flash_device_status(device)
+        if no_flash is None and dtype not in FLASH_DTYPES:
+            no_flash = f"dtype {dtype} (flash runs float16/bfloat16)"
+        plan = AttentionPlan(flash=flash_kernel_name() if no_flash is None else f"not run: {no_flash}")
         for site in SITES:
             want = getattr(self, site)
-            flash_ok = has_flash and device.type == "cuda" and dtype in (torch.float16, torch.bfloat16)
             if want == "auto":
-                choice = "flash" if (flash_ok and site == "vision") else "sdpa"
                 if site == "expert" and device.type == "cuda":
                     choice = "gemm"
-                elif not has_flash:
-                    plan.reasons[site] = "auto: flash-attn not installed (not run); using sdpa"
-            elif want == "flash" and not (flash_ok and site == "vision"):
+                elif no_flash is None:
+                    choice = "flash"
+                else:
+                    choice = "sdpa"
+                    plan.reasons[site] = f"auto: flash not run ({no_flash}); using sdpa"
+            elif want == "flash" and no_flash is not None:
                 choice = "sdpa"
-                plan.reasons[site] = (
-                    "flash requested but "
-                    + ("flash-attn is not installed" if not has_flash else "")
-                    + ("the device is not CUDA or dtype not half" if has_flash and not flash_ok else "")
-                    + ("this site is masked (flash path serves unmasked sites only)" if flash_ok else "")
-                    + "; fell back to sdpa"
-                )
+                plan.reasons[site] = f"flash requested but {no_flash}; fell back to sdpa"
             else:
                 choice = want
             setattr(plan, site, choice)
@@ -238,9 +409,12 @@ class AttentionPlan:
     prefix: str = "sdpa"
     expert: str = "sdpa"
     reasons: dict[str, str] = field(default_factory=dict)
+    flash: str = "not run"
+    """The FlashAttention kernel "flash" calls (``flash_attn.cute <version>``), or ``not run: <why>``."""
 
     def report(self) -> dict[str, str]:
-        """Site -> backend, plus `<site>_note` entries for fallbacks."""
+        """Site -> backend, ``flash`` -> kernel or why not run, plus `<site>_note` entries for fallbacks."""
         out = {site: getattr(self, site) for site in SITES}
+        out["flash"] = self.flash
         out.update({f"{site}_note": note for site, note in self.reasons.items()})
         return out

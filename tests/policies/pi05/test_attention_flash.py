@@ -1,0 +1,76 @@
+"""The "flash" backend's selection and fallback where FlashAttention-4 cannot run (here: CPU), and its key reordering.
+
+Nothing here claims the FlashAttention kernel ran: that is `test_attention_flash_cuda.py`, on a GPU.
+"""
+
+import pytest
+import torch
+
+from policies.pi05 import attention
+from policies.pi05.attention import AttentionConfig, attend, served_by
+
+
+def _qkv(b=3, n=4, nkv=1, t=5, s=23, hd=16, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    q, k, v = (torch.randn(b, x, y, hd, generator=g) for x, y in ((n, t), (nkv, s), (nkv, s)))
+    mask = torch.rand(b, s, generator=g) > 0.4
+    mask[:, 0] = True
+    return q, k, v, mask
+
+
+def test_flash_on_cpu_hands_over_to_sdpa_and_says_why(count_sdpa):
+    q, k, v, mask = _qkv()
+    out = attend(q, k, v, mask, 0.25, "flash")
+    torch.testing.assert_close(out, attend(q, k, v, mask, 0.25, "eager"), atol=1e-5, rtol=1e-5)
+    assert len(count_sdpa) == 1
+    assert attention.flash_serves(q, k, mask) == "device is cpu, not CUDA"
+    assert served_by("flash", q.device, q.dtype, 3, 4, 1, 5, 23, 16) == "sdpa (flash: device is cpu, not CUDA)"
+
+
+def test_requested_flash_falls_back_in_the_plan_with_the_reason():
+    plan = AttentionConfig("flash", "flash", "flash").resolve(torch.device("cpu"), torch.bfloat16)
+    assert (plan.vision, plan.prefix, plan.expert) == ("sdpa", "sdpa", "sdpa")
+    report = plan.report()
+    assert report["flash"] == "not run: device is cpu, not CUDA"
+    assert report["prefix_note"] == "flash requested but device is cpu, not CUDA; fell back to sdpa"
+
+
+@pytest.mark.skipif(attention.flash_attn_available(), reason="flash_attn.cute is installed here")
+def test_missing_package_is_named_with_its_install_line():
+    status = attention.flash_attn_status()
+    assert status is not None and "flash-attn-4" in status and "phyai-gym[flash]" in status
+    if not torch.cuda.is_available():  # the CUDA plan of a machine without the package names it too
+        plan = AttentionConfig().resolve(torch.device("cuda"), torch.bfloat16)
+        assert (plan.vision, plan.prefix, plan.expert) == ("sdpa", "sdpa", "gemm")
+        assert plan.flash == f"not run: {status}" and plan.reasons["vision"].startswith("auto: flash not run")
+
+
+def test_gemm_hand_over_is_reported():
+    cpu = torch.device("cpu")
+    assert served_by("gemm", cpu, torch.float32, 1, 8, 1, 50, 1018, 256) == "gemm"
+    assert served_by("gemm", cpu, torch.float32, 64, 8, 1, 50, 1018, 256).startswith("sdpa (gemm:")
+    assert served_by("sdpa", cpu, torch.float32, 1, 8, 1, 50, 1018, 256) == "sdpa"
+
+
+@pytest.mark.parametrize("width", [4, 7, 300])
+def test_flash_shape_rules_name_the_failing_field(width):
+    if not torch.cuda.is_available():
+        assert attention.flash_shape_status(torch.device("cpu"), torch.bfloat16, 8, 1, width) == (
+            "device is cpu, not CUDA"
+        )
+    assert attention.flash_shape_status(torch.device("cpu"), torch.float32, 8, 1, width) is not None
+
+
+def test_valid_keys_first_keeps_attention_unchanged():
+    """The flash path's key reordering: valid keys first, in order; attending the first num_valid keys is the
+    masked attention (checked with the eager reference, no flash kernel involved)."""
+    q, k, v, mask = _qkv(b=4, s=31)
+    mask[2] = torch.arange(31) % 2 == 0  # holes
+    num_valid = mask.sum(1, dtype=torch.int32)
+    kt = attention._valid_first(k.transpose(1, 2), mask, num_valid).transpose(1, 2)
+    vt = attention._valid_first(v.transpose(1, 2), mask, num_valid).transpose(1, 2)
+    for row in range(4):
+        torch.testing.assert_close(kt[row, :, : num_valid[row]], k[row, :, mask[row]])
+        torch.testing.assert_close(kt[row, :, num_valid[row] :], k[row, :, ~mask[row]])  # a permutation
+    lengths = torch.arange(31)[None, :] < num_valid[:, None]
+    torch.testing.assert_close(attend(q, kt, vt, lengths, 0.25, "eager"), attend(q, k, v, mask, 0.25, "eager"))

@@ -306,7 +306,7 @@ def _update(args: Args, trainer: Pi05Policy, master: MasterWeights, optimizer: t
     size = batch.batch_size
     step = size // args.num_minibatches
     b_idx = np.arange(size)
-    last = (args.update_epochs - 1, (args.num_minibatches - 1) * step)
+    last, first_kl = (args.update_epochs - 1, (args.num_minibatches - 1) * step), None
     for epoch in range(args.update_epochs):
         np.random.shuffle(b_idx)
         for start in range(0, step * args.num_minibatches, step):
@@ -316,6 +316,7 @@ def _update(args: Args, trainer: Pi05Policy, master: MasterWeights, optimizer: t
                            extras["advantages"][mb], extras["returns"][mb], clip_coef=args.clip_coef,
                            clip_vloss=args.clip_vloss, norm_adv=args.norm_adv, ent_coef=args.ent_coef,
                            vf_coef=args.vf_coef)  # fmt: skip
+            first_kl = out["approx_kl"] if first_kl is None else first_kl  # ~0 when the batch's weights are ours
             optimizer.zero_grad()
             out["loss"].backward()
             master.grads_to_masters()
@@ -331,7 +332,8 @@ def _update(args: Args, trainer: Pi05Policy, master: MasterWeights, optimizer: t
             torch.nn.utils.clip_grad_norm_(master.parameters(), args.max_grad_norm)
             optimizer.step()
             master.masters_to_model()
-    return {key: float(out[key]) for key in ("pg_loss", "v_loss", "approx_kl", "clipfrac")}
+    stats = {key: float(out[key]) for key in ("pg_loss", "v_loss", "approx_kl", "clipfrac")}
+    return {**stats, "approx_kl_first": float(first_kl)}
 
 
 def _rollout(args: Args, layout: Layout) -> dict:

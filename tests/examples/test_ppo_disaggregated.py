@@ -19,7 +19,6 @@ import pytest
 import torch.multiprocessing as mp
 
 ROOT = Path(__file__).resolve().parents[2]
-WORLD = 3
 SMALL = dict(num_envs=4, num_steps=2, update_epochs=1, num_minibatches=2, denoise_steps=2, digest_weights=True,
              quiet=True, timeout_s=120.0)  # fmt: skip
 
@@ -32,9 +31,9 @@ def _example():
     return module
 
 
-def _worker(rank: int, port: int, options: dict[str, Any], tmp: str) -> None:
+def _worker(rank: int, world: int, port: int, options: dict[str, Any], tmp: str) -> None:
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), LOCAL_RANK=str(rank),
-                      WORLD_SIZE=str(WORLD))  # fmt: skip
+                      WORLD_SIZE=str(world))  # fmt: skip
     try:
         example = _example()
         result = example.train(example.Args(**options))
@@ -43,12 +42,12 @@ def _worker(rank: int, port: int, options: dict[str, Any], tmp: str) -> None:
     Path(tmp, f"rank{rank}.json").write_text(json.dumps(result))
 
 
-def run(tmp_path: Path, **options: Any) -> list[dict[str, Any]]:
+def run(tmp_path: Path, world: int = 3, **options: Any) -> list[dict[str, Any]]:
     with socket.socket() as s:  # a free port for the rendezvous
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
-    mp.spawn(_worker, args=(port, {**SMALL, **options}, str(tmp_path)), nprocs=WORLD, join=True)
-    results = [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in range(WORLD)]
+    mp.spawn(_worker, args=(world, port, {**SMALL, **options}, str(tmp_path)), nprocs=world, join=True)
+    results = [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in range(world)]
     for r, res in enumerate(results):
         assert "crash" not in res, f"rank {r}:\n{res['crash']}"
     return results
@@ -72,8 +71,17 @@ def test_every_rank_commits_the_same_version_and_weights(tmp_path: Path) -> None
     assert digests[0] == digests[1] == digests[2]  # bit-identical trainable weights on every rank, every iteration
     assert len(set(digests[0])) == 3  # and every update changed them
     trainer = results[0]
+    assert abs(trainer["rows"][0]["approx_kl_first"]) < 1e-6  # the sent batch re-evaluates to its own log-probs
     assert column(trainer, "policy_lag") == [0, 1, 1]  # --overlap: batch k+1 was collected before commit k
     assert column(trainer, "samples") == [16, 16, 16]  # 2 rollout ranks x 4 envs x 2 steps
+
+
+def test_two_trainers_average_gradients_and_stay_identical(tmp_path: Path) -> None:
+    results = run(tmp_path, world=4, trainer_ranks=2, total_iterations=2)
+    assert [res["role"] for res in results] == ["trainer", "trainer", "rollout", "rollout"]
+    digests = [column(res, "weight_digest") for res in results]
+    assert all(res["weight_version"] == 3 for res in results) and all(d == digests[0] for d in digests)
+    assert column(results[1], "samples") == [8, 8]  # trainer 1 trains rollout rank 3's batch only
 
 
 def test_a_nan_on_the_trainer_aborts_every_rank_and_the_run_stops(tmp_path: Path, capfd) -> None:

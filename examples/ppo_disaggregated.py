@@ -282,6 +282,7 @@ def _trainer(args: Args, layout: Layout, group) -> dict:
         # ---- broadcast: commit one version on every rank, or abort everywhere ---------------------------------
         t0 = time.perf_counter()
         lag = version - batch.header.weight_version  # updates between the batch's weights and the trained ones
+        updated = _digest(trainer) if args.digest_weights else None  # this trainer's own result, before the sync
         new_version, aborted = _sync(receiver, trainer.model, rank)
         version = new_version or version
         row = {"iteration": iteration, "weight_version": version, "aborted": aborted is not None, "policy_lag": lag,
@@ -289,7 +290,7 @@ def _trainer(args: Args, layout: Layout, group) -> dict:
                "episodic_return": _mean(extras["episode_return"]), **stats,
                "time_recv": t_recv, "time_train": t_train, "time_sync": time.perf_counter() - t0}  # fmt: skip
         if args.digest_weights:
-            row["weight_digest"] = _digest(trainer)
+            row["update_digest"], row["weight_digest"] = updated, _digest(trainer)
         rows.append(row)
         if not args.quiet and rank == 0:
             sps = sum(r["samples"] for r in rows) * layout.trainer_ranks / (time.perf_counter() - start)

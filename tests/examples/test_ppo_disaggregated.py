@@ -6,11 +6,10 @@ Each test spawns three processes (the "spawn" context) with torchrun's environme
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import os
+import runpy
 import socket
-import sys
 import traceback
 from pathlib import Path
 from typing import Any
@@ -23,12 +22,9 @@ SMALL = dict(num_envs=4, num_steps=2, update_epochs=1, num_minibatches=2, denois
              quiet=True, timeout_s=120.0)  # fmt: skip
 
 
-def _example():
-    spec = importlib.util.spec_from_file_location("ppo_disaggregated", ROOT / "examples" / "ppo_disaggregated.py")
-    module = importlib.util.module_from_spec(spec)
-    sys.modules["ppo_disaggregated"] = module  # dataclasses look their module up there
-    spec.loader.exec_module(module)
-    return module
+def _example() -> dict[str, Any]:
+    """The example's namespace (runpy registers the module while it runs, as dataclasses need)."""
+    return runpy.run_path(str(ROOT / "examples" / "ppo_disaggregated.py"), run_name="ppo_disaggregated")
 
 
 def _worker(rank: int, world: int, port: int, options: dict[str, Any], tmp: str) -> None:
@@ -36,7 +32,7 @@ def _worker(rank: int, world: int, port: int, options: dict[str, Any], tmp: str)
                       WORLD_SIZE=str(world))  # fmt: skip
     try:
         example = _example()
-        result = example.train(example.Args(**options))
+        result = example["train"](example["Args"](**options))
     except BaseException:  # report instead of hanging the parent on a bare exit code
         result = {"crash": traceback.format_exc()}
     Path(tmp, f"rank{rank}.json").write_text(json.dumps(result))
@@ -103,7 +99,7 @@ def test_a_nan_on_the_trainer_aborts_every_rank_and_the_run_stops(tmp_path: Path
 def test_a_layout_that_does_not_split_is_refused() -> None:
     example = _example()
     with pytest.raises(ValueError) as err:
-        example.Layout.of(world_size=3, rank=0, trainer_ranks=2)
+        example["Layout"].of(world_size=3, rank=0, trainer_ranks=2)
     assert str(err.value) == (
         "trainer_ranks: expected T >= 1 with the other 3 - T ranks a positive multiple of T, got T=2 of 3 ranks. "
         "Fix: torchrun --nproc_per_node T+R with R a multiple of T (e.g. --trainer-ranks 1 with 3 ranks)."

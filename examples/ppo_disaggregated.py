@@ -135,6 +135,12 @@ class Args:
     """samples per rollout rank and iteration (num_steps * num_envs)"""
 
     def __post_init__(self) -> None:
+        if self.device not in ("cpu", "cuda") or (self.device == "cuda" and not torch.cuda.is_available()):
+            why = "CUDA is not available here" if self.device == "cuda" else f"got {self.device!r}"
+            raise ValueError(
+                f"device: expected 'cpu' (gloo) or 'cuda' (NCCL, one GPU per rank: cuda:LOCAL_RANK), {why}; pass "
+                "--device cpu, or --device cuda on a machine with a GPU per rank."
+            )
         if self.learning_rate is None:
             self.learning_rate = 3e-3 if self.config == "tiny" and self.checkpoint is None else 5e-6
         self.batch_size = self.num_envs * self.num_steps
@@ -192,6 +198,8 @@ def train(args: Args) -> dict:
     is initialised already, and leaves the one it joined.
     """
     own_group = not dist.is_initialized()
+    if args.device == "cuda":  # NCCL's buffers (and broadcast_weights') use the current device
+        torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)))
     if own_group:
         backend = "nccl" if args.device == "cuda" else "gloo"
         dist.init_process_group(backend, timeout=datetime.timedelta(seconds=args.timeout_s))

@@ -96,11 +96,17 @@ def test_a_nan_on_the_trainer_aborts_every_rank_and_the_run_stops(tmp_path: Path
     assert "rank 2 (rollout): weight sync aborted on every rank; stopping at version 2" in capfd.readouterr().out
 
 
-def test_a_layout_that_does_not_split_is_refused() -> None:
+def test_a_layout_that_does_not_split_and_a_device_index_are_refused() -> None:
     example = _example()
     with pytest.raises(ValueError) as err:
         example["Layout"].of(world_size=3, rank=0, trainer_ranks=2)
     assert str(err.value) == (
         "trainer_ranks: expected T >= 1 with the other 3 - T ranks a positive multiple of T, got T=2 of 3 ranks. "
         "Fix: torchrun --nproc_per_node T+R with R a multiple of T (e.g. --trainer-ranks 1 with 3 ranks)."
+    )
+    with pytest.raises(ValueError) as err:
+        example["Args"](device="cuda:1")
+    assert str(err.value) == (
+        "device: expected 'cpu' (gloo) or 'cuda' (NCCL, one GPU per rank: cuda:LOCAL_RANK), got 'cuda:1'; pass "
+        "--device cpu, or --device cuda on a machine with a GPU per rank."
     )

@@ -73,6 +73,7 @@ def scenario(rank: int) -> dict[str, Any]:
     batches = [acted, odd_batch(acted), replace(acted, prefix=None)]
     if rank == 1:
         sent = [send_rollout(batch, 0, extras=extras() if i == 1 else None) for i, batch in enumerate(batches)]
+        dist.send(torch.tensor([0x5049_3035, 6, 0, 0]), 0)  # a weight-broadcast header where a batch is expected
         return {"bytes": sent}
     out: dict[str, Any] = {"kept_prefix": acted.prefix is not None and acted.prefix.pooled is not None}
     for i, batch in enumerate(batches):
@@ -82,6 +83,7 @@ def scenario(rank: int) -> dict[str, Any]:
         out[f"extra_names{i}"] = sorted(got_extras)
     errors = {}
     for key, call in {
+        "protocol": lambda: recv_rollout(1),
         "self": lambda: send_rollout(acted, 0),
         "range": lambda: recv_rollout(5),
         "batch": lambda: send_rollout({"chains": acted.chains}, 1),  # type: ignore[arg-type]
@@ -122,6 +124,9 @@ def test_round_trip_is_bit_identical_and_bad_input_is_refused(tmp_path: Path) ->
     assert got["extra_names0"] == got["extra_names2"] == []
     assert results[1]["bytes"][0] > results[1]["bytes"][2] > 0  # the kept prefix K/V travelled
     errors = got["errors"]
+    assert errors["protocol"] == ("TransportError: recv_rollout: rank 1 sent magic 0x50493035 protocol 6, expected "
+                                  "0x524f4c4c protocol 1; run the same phyai-gym version on every rank and match every "
+                                  "send_rollout with one recv_rollout.")  # fmt: skip
     assert errors["self"] == ("ValueError: send_rollout: dst: expected another rank than this one (0); "
                               "point-to-point needs two processes.")  # fmt: skip
     assert errors["range"] == ("ValueError: recv_rollout: src: expected a global rank in 0..1, got 5; "

@@ -55,14 +55,17 @@ def time_stages(policy: Pi05Policy, inputs: ModelInputs, opts: RolloutConfig, it
 
 
 def bench_case(name: str, batches, out: Path | None, method: str = "ode", value_source: str = "none",
-               warmup: int = 3, iters: int = 20) -> list[dict]:
-    """Sweep `batches` for case `name` ("a" or "b"); appends rows to `out` (a folder, or None for results/)."""
+               warmup: int = 3, iters: int = 20, fused_kernels: bool = True) -> list[dict]:
+    """Sweep `batches` for case `name` ("a" or "b"); appends rows to `out` (a folder, or None for results/).
+
+    `fused_kernels`: `SchedulerConfig.fused_kernels` (recorded in the rows).
+    """
     case = CASES[name]
     config = Pi05Config.pi05_base()
     torch.cuda.reset_peak_memory_stats()
     torch.cuda.synchronize()
     start = time.perf_counter()
-    policy: Pi05Policy = build_case_policy(case, batches, method, value_source)
+    policy: Pi05Policy = build_case_policy(case, batches, method, value_source, fused_kernels)
     torch.cuda.synchronize()
     startup = time.perf_counter() - start
     rows = []
@@ -87,6 +90,7 @@ def bench_case(name: str, batches, out: Path | None, method: str = "ode", value_
         row = {
             "case": name, **{k: (list(v) if isinstance(v, tuple) else v) for k, v in case.items()},
             "method": method, "value_source": value_source, "batch": n, "dtype": config.dtype,
+            "fused_kernels": fused_kernels,
             "p50_ms": p50, "p90_ms": p90, "samples_per_s": n / (p50 / 1e3), **stages,
             "model_samples_per_s": n / (stages["model_ms_p50"] / 1e3),
             "tflop_per_sample": flops / 1e12, "achieved_tflops": flops * n / (stages["model_ms_p50"] / 1e3) / 1e12,

@@ -198,21 +198,33 @@ def make_inputs(n: int, cams: Sequence[int], prompt: int, image_size: int, devic
     )
 
 
-def build_case_policy(case: Mapping[str, Any], batches: Sequence[int], method: str, value_source: str) -> Any:
-    """Full-size random-weight `Pi05Policy` with graphs for one of `CASES` at `batches`, on CUDA if present."""
+def build_case_policy(
+    case: Mapping[str, Any],
+    batches: Sequence[int],
+    method: str,
+    value_source: str,
+    fused_kernels: bool = True,
+    config_overrides: Mapping[str, Any] | None = None,
+) -> Any:
+    """Full-size random-weight `Pi05Policy` with graphs for one of `CASES` at `batches`, on CUDA if present.
+
+    `fused_kernels` is `SchedulerConfig.fused_kernels`; `config_overrides` replace `Pi05Config` fields (e.g. a
+    shallower `llm`/`expert` for per-layer kernel counts).
+    """
     from policies.pi05.config import Pi05Config
     from policies.pi05.model import Pi05Model, torch_dtype
     from policies.pi05.policy import Pi05Policy, RolloutConfig
     from policies.pi05.scheduler import SchedulerConfig
 
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    cfg = Pi05Config.pi05_base(action_horizon=case["horizon"], num_steps=case["num_steps"], value_source=value_source)
+    cfg = Pi05Config.pi05_base(action_horizon=case["horizon"], num_steps=case["num_steps"], value_source=value_source,
+                               **(config_overrides or {}))  # fmt: skip
     with torch.device(device):
         model = Pi05Model(cfg)
     model.set_precision(torch_dtype(cfg.dtype))
     sched = SchedulerConfig(
         max_batch_size=max(batches), batch_buckets=tuple(sorted(set(batches))), prompt_buckets=(case["prompt"],),
-        num_steps=(case["num_steps"],), camera_sets=(tuple(case["cams"]),),
+        num_steps=(case["num_steps"],), camera_sets=(tuple(case["cams"]),), fused_kernels=fused_kernels,
     )  # fmt: skip
     rollout = RolloutConfig(method=method, num_steps=case["num_steps"], action_chunk=case["chunk"])
     return Pi05Policy(model, ModelProcessor(case["cams"], (case["prompt"],)), rollout, sched)

@@ -114,6 +114,7 @@ SECTIONS: dict[str, Section] = {
     "soak": section("benchmarks.soak_gpu"),
     "processor": section("benchmarks.bench_processor", device="cuda"),
     "profile": profile,
+    "kernels": section("benchmarks.bench_kernels"),
     "broadcast": broadcast,
     "overlap": section("benchmarks.bench_overlap"),
     "batch_invariance": section("benchmarks.bench_batch_invariance"),

@@ -46,6 +46,11 @@ TABLES: dict[str, Table] = {
         ("site", "case", "env_batch", "backend"), ("status", "kernel", "max_rel_err", "us_per_call", "timing")
     ),
     "profile": Table(("case", "batch", "stage"), ("wall_ms", "kernel_ms", "kernels_per_call")),
+    "expert_kernels": Table(
+        ("case", "batch", "fused_kernels"),
+        ("kernels_per_layer_step", "prefix_kernels_per_layer", "denoise_kernels_per_step_outside_layers"),
+    ),
+    "fused_kernels_check": Table(("case", "batch"), ("chains_max_abs_diff", "chains_max_abs", "graph_equals_eager")),
     "processor": Table(("device", "config.resize_mode", "batch"), ("p50_ms", "p90_ms", "samples_per_s")),
     "wrapper_overhead": Table(
         ("config.model", "config.cameras", "batch"),

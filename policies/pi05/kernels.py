@@ -1,32 +1,60 @@
-"""Fused elementwise kernels for the CUDA hot path (Triton), with the plain PyTorch formula everywhere else.
+"""Fused elementwise kernels for the CUDA hot path (Triton), each beside the plain PyTorch formula it computes.
 
-`geglu(gate, up)` = gelu_tanh(gate) * up. PyTorch runs it as two kernels over (tokens, mlp_dim) tensors (GELU,
-then the product), moving 5 tensor-sizes of bytes; the fused kernel reads gate and up once and writes the
-result once (3 tensor-sizes), computing in float32 and rounding once. At case (a) batch 64 the LM's GeGLU
-tensors are (62k, 16384): about 4 GB less traffic per layer.
+Three kernels, each replacing a chain of PyTorch kernels and its passes over the activations:
 
-The Triton path serves CUDA half-precision tensors outside autograd (the rollout path: eager warm-up compiles
-it before any graph is captured); CPU, float32/float64 and autograd use PyTorch. Triton ships with CUDA builds
-of PyTorch; without it the PyTorch formula runs.
+- `geglu(gate, up)` = gelu_tanh(gate) * up: one kernel instead of two (GELU, then the product), 3 instead of 5
+  tensor-sizes of traffic. At case (a) batch 64 the LM's GeGLU tensors are (62k, 16384).
+- `add_norm(x, delta, ...)`: the residual add (plain, or gated: x + gate * delta) fused with the next RMSNorm
+  (Gemma's (1 + w) weight, or adaRMS's (1 + scale) and shift). One read of x and delta, one write of the new
+  residual and of the normalised output, instead of an add/addcmul kernel, the norm kernel and the modulation
+  kernel (plus, for the LM, the two small kernels that build (1 + w) in the compute dtype every call).
+- `qkv_rope(...)`: RoPE on q and k and the copy of v in one kernel, reading the projection output in its
+  token-major layout and writing q token-major (the "gemm" attention's folded rows are then a free view) and
+  k/v straight into their (B, Nkv, T, hd) cache slots. It replaces the layout copy before the half swap, the
+  flip, the two products per tensor and the K/V cache copies.
+
+Rounding semantics (what the references below compute, and the kernels up to float32 summation order and fused
+multiply-adds): every input is read in its own dtype and converted to float32; all arithmetic is float32; each
+output is rounded once to its dtype. The only intermediate rounding is the new residual of `add_norm`: it is
+rounded to the compute dtype (it is stored so and the next layer reads it so) and the norm statistics are taken
+of that rounded value, as the unfused code does. The unfused PyTorch code rounds more often (the normalised
+value before the modulation, x * cos before adding the rotated half), so the fused results are at least as close
+to a float32 model; they are not bitwise equal to the unfused ones.
+
+Where they run: Triton on CUDA half-precision tensors outside autograd (the rollout path: the eager warm-up
+compiles them before any graph is captured). `fused_path(enabled, x)` is the call sites' test: callers keep their
+unfused PyTorch code for every other case (CPU, float32/float64, autograd, no Triton), which is bit-identical to
+what ran before these kernels existed. With ``TRITON_INTERPRET=1`` set before import, Triton's interpreter runs
+the same kernels on CPU tensors (slow; what the CPU tests use to check them against the references). The
+interpreter (Triton 3.6) truncates float32 -> bfloat16 where the GPU rounds to nearest even, so on CPU the
+kernels agree with the references to one bfloat16 ulp, on the GPU to float32 summation order.
 
 Example:
     >>> import torch
     >>> gate, up = torch.randn(2, 3, 8), torch.randn(2, 3, 8)
     >>> bool(torch.allclose(geglu(gate, up), torch.nn.functional.gelu(gate, approximate="tanh") * up))
     True
+    >>> x, d, w = torch.randn(2, 3, 8), torch.randn(2, 3, 8), torch.zeros(8)
+    >>> res, y = add_norm(x, d, w, 1e-6, add_one=True)
+    >>> bool(torch.allclose(y, torch.nn.functional.rms_norm(x + d, (8,), eps=1e-6), atol=1e-6))
+    True
 """
 
 from __future__ import annotations
 
 import importlib.util
+import os
 
 import torch
 import torch.nn.functional as F
 
 _HAS_TRITON = importlib.util.find_spec("triton") is not None
+INTERPRETED = _HAS_TRITON and os.environ.get("TRITON_INTERPRET", "") == "1"
+"""Whether Triton's CPU interpreter runs the kernels (TRITON_INTERPRET=1 at import): tests only."""
 _BLOCK = 1024
+_HALF = (torch.bfloat16, torch.float16)
 
-if _HAS_TRITON:  # pragma: no cover - needs a CUDA GPU
+if _HAS_TRITON:  # pragma: no cover - needs a CUDA GPU or the interpreter
     import triton
     import triton.language as tl
 
@@ -42,6 +70,81 @@ if _HAS_TRITON:  # pragma: no cover - needs a CUDA GPU
         out = 0.5 * g * (1.0 + tanh) * u
         tl.store(o_ptr + row * o_stride + cols, out.to(o_ptr.dtype.element_ty), mask=keep)
 
+    @triton.jit
+    def _add_norm_kernel(
+        x_ptr, d_ptr, g_ptr, s_ptr, b_ptr, r_ptr, y_ptr,
+        n_cols, rows_per_group, x_stride, d_stride, r_stride, y_stride, g_stride, s_stride, b_stride, eps,
+        HAS_DELTA: tl.constexpr, HAS_GATE: tl.constexpr, HAS_SHIFT: tl.constexpr,  # noqa: N803
+        ADD_ONE: tl.constexpr, STORE_RES: tl.constexpr, BLOCK: tl.constexpr,  # noqa: N803
+    ):  # fmt: skip
+        # One row per program: r = x + [gate *] delta (rounded, stored), y = rms(r) * scale [+ shift].
+        row = tl.program_id(0).to(tl.int64)
+        group = row // rows_per_group  # the modulation row (batch index; 0 when broadcast with stride 0)
+        cols = tl.arange(0, BLOCK)
+        keep = cols < n_cols
+        x = tl.load(x_ptr + row * x_stride + cols, mask=keep, other=0.0).to(tl.float32)
+        if HAS_DELTA:
+            d = tl.load(d_ptr + row * d_stride + cols, mask=keep, other=0.0).to(tl.float32)
+            if HAS_GATE:
+                x = x + tl.load(g_ptr + group * g_stride + cols, mask=keep, other=0.0).to(tl.float32) * d
+            else:
+                x = x + d
+            x = x.to(r_ptr.dtype.element_ty)  # the residual stream is stored in the compute dtype
+            if STORE_RES:
+                tl.store(r_ptr + row * r_stride + cols, x, mask=keep)
+            x = x.to(tl.float32)
+        rstd = 1.0 / tl.sqrt(tl.sum(x * x, axis=0) / n_cols + eps)
+        scale = tl.load(s_ptr + group * s_stride + cols, mask=keep, other=0.0).to(tl.float32)
+        if ADD_ONE:
+            scale = scale + 1.0
+        y = x * rstd * scale
+        if HAS_SHIFT:
+            y = y + tl.load(b_ptr + group * b_stride + cols, mask=keep, other=0.0).to(tl.float32)
+        # rounded once to the compute dtype, then stored in the output's dtype (float32 for the final norm)
+        y = y.to(r_ptr.dtype.element_ty).to(y_ptr.dtype.element_ty)
+        tl.store(y_ptr + row * y_stride + cols, y, mask=keep)
+
+    @triton.jit
+    def _rope_tile(
+        src, s_b, s_t, s_h, dst, o_b, o_t, o_h, cos, sin, c_b, c_t, b, t0, head, n_tok, hd,
+        ROTATE: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_D: tl.constexpr,  # noqa: N803
+    ):  # fmt: skip
+        toks = (t0 + tl.arange(0, BLOCK_T))[:, None].to(tl.int64)
+        d = tl.arange(0, BLOCK_D)[None, :]
+        keep = (toks < n_tok) & (d < hd)
+        base = src + b * s_b + toks * s_t + head * s_h
+        x = tl.load(base + d, mask=keep, other=0.0).to(tl.float32)
+        if ROTATE:  # x cos + [x2 | x1] [-sin | sin] (the signed sin table carries the minus)
+            half = hd // 2
+            swapped = tl.load(base + tl.where(d < half, d + half, d - half), mask=keep, other=0.0).to(tl.float32)
+            c = tl.load(cos + b * c_b + toks * c_t + d, mask=keep, other=0.0).to(tl.float32)
+            s = tl.load(sin + b * c_b + toks * c_t + d, mask=keep, other=0.0).to(tl.float32)
+            x = x * c + swapped * s
+        tl.store(dst + b * o_b + toks * o_t + head * o_h + d, x.to(dst.dtype.element_ty), mask=keep)
+
+    @triton.jit
+    def _qkv_rope_kernel(
+        q_src, qs_b, qs_t, qs_h, q_dst, qo_b, qo_t, qo_h,
+        k_src, ks_b, ks_t, ks_h, k_dst, ko_b, ko_t, ko_h,
+        v_src, vs_b, vs_t, vs_h, v_dst, vo_b, vo_t, vo_h,
+        cos, sin, c_b, c_t, n_tok, n_q, n_kv, hd, t_blocks,
+        BLOCK_T: tl.constexpr, BLOCK_D: tl.constexpr,  # noqa: N803
+    ):  # fmt: skip
+        # Program (token block of one batch row, head): heads [0, n_q) are q, then n_kv k heads, then n_kv v heads.
+        pid = tl.program_id(0)
+        head = tl.program_id(1)
+        b = (pid // t_blocks).to(tl.int64)
+        t0 = (pid % t_blocks) * BLOCK_T
+        if head < n_q:
+            _rope_tile(q_src, qs_b, qs_t, qs_h, q_dst, qo_b, qo_t, qo_h, cos, sin, c_b, c_t, b, t0, head, n_tok, hd,
+                       True, BLOCK_T, BLOCK_D)  # fmt: skip
+        elif head < n_q + n_kv:
+            _rope_tile(k_src, ks_b, ks_t, ks_h, k_dst, ko_b, ko_t, ko_h, cos, sin, c_b, c_t, b, t0, head - n_q,
+                       n_tok, hd, True, BLOCK_T, BLOCK_D)  # fmt: skip
+        else:
+            _rope_tile(v_src, vs_b, vs_t, vs_h, v_dst, vo_b, vo_t, vo_h, cos, sin, c_b, c_t, b, t0,
+                       head - n_q - n_kv, n_tok, hd, False, BLOCK_T, BLOCK_D)  # fmt: skip
+
 
 def _rows(x: torch.Tensor) -> torch.Tensor | None:
     """`x` as (rows, cols) with unit column stride, without a copy; None when that is not a view."""
@@ -54,15 +157,28 @@ def _rows(x: torch.Tensor) -> torch.Tensor | None:
 
 
 def triton_usable(x: torch.Tensor) -> bool:
-    """Whether the fused kernel serves this tensor (CUDA, half precision, no autograd)."""
+    """Whether the fused kernels serve this tensor (CUDA, half precision, no autograd)."""
     return (
         _HAS_TRITON
         and x.is_cuda
-        and x.dtype in (torch.bfloat16, torch.float16)
+        and x.dtype in _HALF
         and not (torch.is_grad_enabled() and x.requires_grad)
     )
 
 
+def _triton_serves(x: torch.Tensor) -> bool:
+    """`triton_usable`, or a half CPU tensor under the interpreter (the CPU tests of the kernels)."""
+    return triton_usable(x) or (
+        INTERPRETED and x.device.type == "cpu" and x.dtype in _HALF and not torch.is_grad_enabled()
+    )
+
+
+def fused_path(enabled: bool, x: torch.Tensor) -> bool:
+    """The call sites' test: fused kernels requested (`SchedulerConfig.fused_kernels`) and served for `x`."""
+    return enabled and _triton_serves(x)
+
+
+# ------------------------------------------------------------------------------------------------------ GeGLU
 def geglu(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
     """gelu_tanh(gate) * up, shape and dtype of `gate` (one fused kernel on CUDA half tensors)."""
     if triton_usable(gate) and not (torch.is_grad_enabled() and up.requires_grad) and gate.shape == up.shape:
@@ -74,6 +190,143 @@ def geglu(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
             grid = (g.shape[0], triton.cdiv(cols, _BLOCK))
             _geglu_kernel[grid](g, u, o, cols, g.stride(0), u.stride(0), o.stride(0), BLOCK=_BLOCK, num_warps=4)
             return out
-    if gate.dtype in (torch.bfloat16, torch.float16):  # float32 math, one rounding: what the kernel computes
+    if gate.dtype in _HALF:  # float32 math, one rounding: what the kernel computes
         return (F.gelu(gate.float(), approximate="tanh") * up.float()).to(gate.dtype)
     return F.gelu(gate, approximate="tanh") * up
+
+
+# ------------------------------------------------------------------------------------- residual add + (ada)RMS
+def add_norm_reference(
+    x: torch.Tensor,
+    delta: torch.Tensor | None,
+    scale: torch.Tensor,
+    eps: float,
+    gate: torch.Tensor | None = None,
+    shift: torch.Tensor | None = None,
+    add_one: bool = False,
+    out_dtype: torch.dtype | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """What `add_norm` computes, in PyTorch: r = x + [gate *] delta rounded to x's dtype; y = rms(r) scale + shift.
+
+    Float32 arithmetic; r rounded once to x's dtype (its statistics taken of the rounded value); y rounded once
+    to x's dtype and then stored as `out_dtype` (default x's dtype). `scale` is (1 + scale) of adaRMS, or the
+    norm weight w with `add_one` (1 + w in float32).
+    """
+    r = x
+    if delta is not None:
+        d = delta.float() if gate is None else gate.float() * delta.float()
+        r = (x.float() + d).to(x.dtype)
+    rf = r.float()
+    s = scale.float() + 1.0 if add_one else scale.float()
+    y = rf * torch.rsqrt(rf.square().mean(dim=-1, keepdim=True) + eps) * s
+    if shift is not None:
+        y = y + shift.float()
+    return r, y.to(x.dtype).to(out_dtype or x.dtype)
+
+
+def _group_stride(t: torch.Tensor, batch: int, width: int, name: str) -> int:
+    """Row stride of a (width,), (1 or B, 1, width) or (1 or B, width) per-row parameter (0 when broadcast)."""
+    if t.shape[-1] != width or t.stride(-1) != 1 or t.numel() not in (width, batch * width):
+        raise ValueError(f"add_norm: {name} must be (width,) or (B or 1, 1, width) with unit stride, got "
+                         f"{tuple(t.shape)} strides {t.stride()}.")  # fmt: skip
+    return 0 if t.numel() == width else t.stride(0)
+
+
+def add_norm(
+    x: torch.Tensor,
+    delta: torch.Tensor | None,
+    scale: torch.Tensor,
+    eps: float,
+    gate: torch.Tensor | None = None,
+    shift: torch.Tensor | None = None,
+    add_one: bool = False,
+    out_dtype: torch.dtype | None = None,
+    store_residual: bool = True,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Residual add fused with the next RMSNorm: (r, y) for x, delta (B, T, W); see `add_norm_reference`.
+
+    The LM's norm: `scale` = w (W,) with `add_one`; the expert's adaRMS: `scale` = 1 + scale, `shift` and the
+    previous branch's `gate`, each (W,) or (B or 1, 1, W). `delta` None: r is x itself (the first norm).
+    `store_residual=False` skips writing r (the final norm; r is then returned unwritten). One Triton kernel
+    where `fused_path` holds, the reference elsewhere.
+    """
+    if not _triton_serves(x) or x.dim() != 3:
+        return add_norm_reference(x, delta, scale, eps, gate, shift, add_one, out_dtype)
+    b, t, w = x.shape
+    xr = _rows(x)
+    dr = _rows(delta) if delta is not None else xr
+    if xr is None or dr is None or (delta is not None and delta.shape != x.shape):
+        return add_norm_reference(x, delta, scale, eps, gate, shift, add_one, out_dtype)
+    residual = torch.empty_like(x, memory_format=torch.contiguous_format) if delta is not None else x
+    y = torch.empty(x.shape, dtype=out_dtype or x.dtype, device=x.device)
+    rr, yr = residual.view(-1, w), y.view(-1, w)
+    s_stride = _group_stride(scale, b, w, "scale")
+    g_stride = _group_stride(gate, b, w, "gate") if gate is not None else 0
+    b_stride = _group_stride(shift, b, w, "shift") if shift is not None else 0
+    if xr.shape[0] == 0:
+        return residual, y
+    block = triton.next_power_of_2(w)
+    _add_norm_kernel[(xr.shape[0],)](
+        xr, dr, gate if gate is not None else scale, scale, shift if shift is not None else scale, rr, yr,
+        w, t, xr.stride(0), dr.stride(0), rr.stride(0), yr.stride(0), g_stride, s_stride, b_stride, eps,
+        HAS_DELTA=delta is not None, HAS_GATE=gate is not None, HAS_SHIFT=shift is not None, ADD_ONE=add_one,
+        STORE_RES=store_residual, BLOCK=block, num_warps=min(max(block // 256, 1), 8),
+    )  # fmt: skip
+    return residual, y
+
+
+# ---------------------------------------------------------------------------------------- RoPE + K/V write
+def rope_reference(x: torch.Tensor, cos: torch.Tensor, signed_sin: torch.Tensor) -> torch.Tensor:
+    """Rotate-half RoPE on (..., T, heads, hd) with cos/sin (B or 1, T, hd): float32 math, rounded once."""
+    half = x.shape[-1] // 2
+    xf = x.float()
+    swapped = torch.cat([xf[..., half:], xf[..., :half]], dim=-1)
+    return (xf * cos.float()[:, :, None] + swapped * signed_sin.float()[:, :, None]).to(x.dtype)
+
+
+def qkv_rope_reference(q, k, v, cos, sin, q_out, k_out, v_out) -> None:
+    """What `qkv_rope` writes, in PyTorch (same arguments): rope(q) -> q_out, rope(k) -> k_out, v -> v_out."""
+    if q is not None:
+        q_out.copy_(rope_reference(q, cos, sin))
+    k_out.copy_(rope_reference(k, cos, sin))
+    v_out.copy_(v)
+
+
+def qkv_rope(
+    q: torch.Tensor | None,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    cos: torch.Tensor,
+    sin: torch.Tensor,
+    q_out: torch.Tensor | None,
+    k_out: torch.Tensor,
+    v_out: torch.Tensor,
+) -> None:
+    """RoPE on q and k and the copy of v, written into `q_out`, `k_out`, `v_out` in one kernel.
+
+    Every tensor is indexed (B, T, heads, hd) (any strides, unit stride in hd): q and q_out with Nq heads, k, v,
+    k_out and v_out with Nkv heads; e.g. the projection output viewed (B, T, heads, hd) and the cache slot
+    `keys[:, :, start:end].transpose(1, 2)`. cos/sin: (B or 1, T, hd) from `rope_cos_sin(...)[:, 0]`. q may be
+    None (the LM's last layer needs no queries). Triton where `fused_path` holds, `qkv_rope_reference` elsewhere.
+    """
+    unit = all(t.stride(-1) == 1 for t in (k, v, k_out, v_out, cos)) and cos.stride() == sin.stride()
+    if q is not None:
+        unit = unit and q_out is not None and q.stride(-1) == 1 and q_out.stride(-1) == 1
+    if not (_triton_serves(k) and unit):
+        qkv_rope_reference(q, k, v, cos, sin, q_out, k_out, v_out)
+        return
+    b, t, n_kv, hd = k.shape
+    n_q = q.shape[2] if q is not None else 0
+    if b * t == 0:
+        return
+    qs, qo = (q, q_out) if q is not None else (k, k_out)
+    c_b = 0 if cos.shape[0] == 1 else cos.stride(0)
+    block_t = 16 if hd <= 128 else 8
+    t_blocks = triton.cdiv(t, block_t)
+    _qkv_rope_kernel[(b * t_blocks, n_q + 2 * n_kv)](
+        qs, qs.stride(0), qs.stride(1), qs.stride(2), qo, qo.stride(0), qo.stride(1), qo.stride(2),
+        k, k.stride(0), k.stride(1), k.stride(2), k_out, k_out.stride(0), k_out.stride(1), k_out.stride(2),
+        v, v.stride(0), v.stride(1), v.stride(2), v_out, v_out.stride(0), v_out.stride(1), v_out.stride(2),
+        cos, sin, c_b, cos.stride(1), t, n_q, n_kv, hd, t_blocks,
+        BLOCK_T=block_t, BLOCK_D=triton.next_power_of_2(hd), num_warps=4,
+    )  # fmt: skip

@@ -19,6 +19,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from . import kernels
 from .attention import AttentionConfig, AttentionPlan, additive_mask, attend, gemm_serves
 from .config import Pi05Config
 from .gemma import AdaRMSNorm, GemmaStack, Modulation, RMSNorm, rope_cos_sin, upcast, upcast_dtype
@@ -220,12 +221,23 @@ class Pi05Model(nn.Module):
         valid = torch.cat([image_mask.bool().repeat_interleave(patches, dim=1), token_mask.bool()], dim=1)
         return torch.cat([img, text], dim=1), valid
 
-    def run_prefix(self, emb: torch.Tensor, valid: torch.Tensor, need_output: bool = False) -> PrefixCache:
+    def run_prefix(
+        self,
+        emb: torch.Tensor,
+        valid: torch.Tensor,
+        need_output: bool = False,
+        kv_out: list[tuple[torch.Tensor, torch.Tensor]] | None = None,
+        fused_kernels: bool = False,
+    ) -> PrefixCache:
         """Run the LM stream over the prefix; keep per-layer K/V.
 
         The last layer only computes its K/V unless `need_output` (prefix value source): nothing else of it
-        reaches the actions.
+        reaches the actions. `kv_out` gives per layer (B, Nkv, T, hd) destinations (the scheduler's static cache
+        slots): the K/V are written there and the returned cache holds those views. `fused_kernels` runs the
+        residual adds + norms and RoPE + the K/V writes as the fused kernels of `kernels.py` where they serve.
         """
+        if kernels.fused_path(fused_kernels, emb):
+            return self._run_prefix_fused(emb, valid, need_output, kv_out)
         cfg = self.config.llm
         positions = torch.cumsum(valid.long(), dim=1) - 1
         cos, sin = rope_cos_sin(positions, cfg.head_dim, cfg.rope_theta, emb.dtype)
@@ -237,6 +249,9 @@ class Pi05Model(nn.Module):
         for i, layer in enumerate(self.llm.layers):
             last = i == len(self.llm.layers) - 1
             q, k, v = layer.self_attn.qkv(layer.input_layernorm(x), cos, sin, need_q=not last or need_output)
+            if kv_out is not None:
+                kv_out[i][0].copy_(k)
+                kv_out[i][1].copy_(v)
             keys.append(k)
             values.append(v)
             if last and not need_output:
@@ -244,6 +259,56 @@ class Pi05Model(nn.Module):
             x = x + layer.self_attn.out(attend(q, k, v, mask, scale, self.plan.prefix))
             x = x + layer.mlp(layer.post_attention_layernorm(x))
         output = self.llm.norm(x) if need_output else None
+        if kv_out is not None:
+            keys, values = [k for k, _ in kv_out], [v for _, v in kv_out]
+        return PrefixCache(keys, values, valid, valid.long().sum(dim=1), output)
+
+    def _run_prefix_fused(
+        self,
+        emb: torch.Tensor,
+        valid: torch.Tensor,
+        need_output: bool,
+        kv_out: list[tuple[torch.Tensor, torch.Tensor]] | None,
+    ) -> PrefixCache:
+        """`run_prefix` with each residual add fused into the next norm and RoPE fused with the K/V writes.
+
+        Per layer: add+norm, q/k/v GEMMs, one RoPE kernel writing q (token-major) and K/V into their cache slots,
+        attention, o GEMM, add+norm, the MLP. Same math as the unfused loop, rounded once per kernel.
+        """
+        cfg = self.config.llm
+        b, t, _ = emb.shape
+        n, nkv, hd = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
+        positions = torch.cumsum(valid.long(), dim=1) - 1
+        cos, sin = (c[:, 0] for c in rope_cos_sin(positions, hd, cfg.rope_theta, emb.dtype))  # (B, T, hd)
+        mask = additive_mask(valid, emb.dtype)
+        scale = cfg.head_dim**-0.5
+        keys: list[torch.Tensor] = []
+        values: list[torch.Tensor] = []
+        x, delta = emb, None  # delta: the MLP output not yet added to the residual stream x
+        for i, layer in enumerate(self.llm.layers):
+            last = i == len(self.llm.layers) - 1
+            need_q = not last or need_output
+            attn = layer.self_attn
+            x, h = kernels.add_norm(x, delta, layer.input_layernorm.weight, cfg.eps, add_one=True)
+            if kv_out is not None:
+                k_dst, v_dst = kv_out[i]
+            else:
+                k_dst = torch.empty(b, nkv, t, hd, dtype=emb.dtype, device=emb.device)
+                v_dst = torch.empty_like(k_dst)
+            q = torch.empty(b, t, n, hd, dtype=emb.dtype, device=emb.device) if need_q else None
+            q_src = attn.q_proj(h).view(b, t, n, hd) if need_q else None
+            k_src, v_src = attn.k_proj(h).view(b, t, nkv, hd), attn.v_proj(h).view(b, t, nkv, hd)
+            kernels.qkv_rope(q_src, k_src, v_src, cos, sin, q, k_dst.transpose(1, 2), v_dst.transpose(1, 2))
+            keys.append(k_dst)
+            values.append(v_dst)
+            if not need_q:
+                break
+            o = attn.out(attend(q.transpose(1, 2), k_dst, v_dst, mask, scale, self.plan.prefix))
+            x, h = kernels.add_norm(x, o, layer.post_attention_layernorm.weight, cfg.eps, add_one=True)
+            delta = layer.mlp(h)
+        output = None
+        if need_output:
+            _, output = kernels.add_norm(x, delta, self.llm.norm.weight, cfg.eps, add_one=True, store_residual=False)
         return PrefixCache(keys, values, valid, valid.long().sum(dim=1), output)
 
     # ---------------------------------------------------------------------------------------- expert
@@ -300,12 +365,14 @@ class Pi05Model(nn.Module):
         mods: list[Modulation],
         use_fused: bool = False,
         fused: list[tuple[torch.Tensor, torch.Tensor]] | None = None,
+        fused_kernels: bool = False,
     ) -> torch.Tensor:
         """One expert pass at the noisy actions x_t (B, H, D) -> final-norm output (B, H, We) float32.
 
         `use_fused` reads the fused [q;k;v] / [gate;up] copies (the scheduler's rollout path, which refreshes them
         with its tables after every weight commit); `fused` passes such weights explicitly (`fused_weights()`,
-        the trainer); every other caller reads the parameters themselves.
+        the trainer); every other caller reads the parameters themselves. `fused_kernels` runs the layers as the
+        fused kernels of `kernels.py` where they serve (fused weights, a static cache tail, CUDA half, no grad).
         """
         cfg = self.config.expert
         b, h, _ = x_t.shape
@@ -324,6 +391,8 @@ class Pi05Model(nn.Module):
         scale = cfg.head_dim**-0.5
         if fused is None and use_fused and self._fused_usable(x):
             fused = self.fused_expert
+        if fused is not None and cache.suffix_offset is not None and kernels.fused_path(fused_kernels, x):
+            return self._expert_layers_fused(cache, x, mods, fused)
         for i, layer in enumerate(self.expert.layers):
             fused_qkv, fused_mlp = fused[i] if fused is not None else (None, None)
             hidden, gate = layer.input_layernorm(x, mods[2 * i])
@@ -340,6 +409,45 @@ class Pi05Model(nn.Module):
             x = torch.addcmul(x, layer.mlp(hidden, fused_mlp), gate)
         out, _ = self.expert.norm(x, mods[-1])
         return upcast(out)
+
+    def _expert_layers_fused(
+        self,
+        cache: PrefixCache,
+        x: torch.Tensor,
+        mods: list[Modulation],
+        fused: list[tuple[torch.Tensor, torch.Tensor]],
+    ) -> torch.Tensor:
+        """The expert layers of `expert_step` as fused kernels; (B, H, We) compute-dtype input -> float32 output.
+
+        Per layer-step: add+adaRMS (the previous layer's gated MLP residual fused in), the [q;k;v] GEMM, one RoPE
+        kernel writing q token-major and K/V into the cache tail, attention, the o GEMM, add+adaRMS (the gated
+        attention residual fused in), the [gate;up] GEMM, GeGLU, the down GEMM. The final norm adds the last
+        residual and writes float32 (rounded to the compute dtype first, as `upcast` of the unfused output).
+        """
+        cfg = self.config.expert
+        b, h, _ = x.shape
+        n, nkv, hd = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
+        cos, sin = (c[:, 0] for c in cache.suffix_rope)  # (B, H, hd)
+        off = cache.suffix_offset
+        scale = cfg.head_dim**-0.5
+        delta, gate = None, None  # the branch output not yet added to x, and its gate
+        for i, layer in enumerate(self.expert.layers):
+            qkv_w, mlp_w = fused[i]
+            scale1, shift, _ = mods[2 * i]
+            x, hidden = kernels.add_norm(x, delta, scale1, cfg.eps, gate=gate, shift=shift)
+            y = F.linear(hidden, qkv_w).view(b, h, n + 2 * nkv, hd)  # (B, H, heads, hd)
+            q = torch.empty(b, h, n, hd, dtype=x.dtype, device=x.device)
+            keys, values = cache.keys[i], cache.values[i]
+            kernels.qkv_rope(y[:, :, :n], y[:, :, n : n + nkv], y[:, :, n + nkv :], cos, sin, q,
+                             keys[:, :, off:].transpose(1, 2), values[:, :, off:].transpose(1, 2))  # fmt: skip
+            o = layer.self_attn.out(attend(q.transpose(1, 2), keys, values, cache.suffix_mask, scale, self.plan.expert))
+            scale1, shift, next_gate = mods[2 * i + 1]
+            x, hidden = kernels.add_norm(x, o, scale1, cfg.eps, gate=mods[2 * i][2], shift=shift)
+            delta, gate = layer.mlp(hidden, mlp_w), next_gate
+        scale1, shift, _ = mods[-1]
+        _, out = kernels.add_norm(x, delta, scale1, cfg.eps, gate=gate, shift=shift, out_dtype=upcast_dtype(x.dtype),
+                                  store_residual=False)  # fmt: skip
+        return out
 
     def velocity(self, suffix_out: torch.Tensor) -> torch.Tensor:
         """Expert output (B, H, We) -> velocity v (B, H, D) float32."""

@@ -90,12 +90,24 @@ class RolloutOutputs:
     prefix: StoredPrefix | None = None  # the prefix K/V, when the caller keeps it for evaluate()
 
 
-def run_prefix_stage(model: Pi05Model, images, image_mask, tokens, lengths) -> PrefixCache:
-    """Vision for all envs x cameras in one pass, then the LM over the prefix (value output if needed)."""
+def run_prefix_stage(
+    model: Pi05Model,
+    images,
+    image_mask,
+    tokens,
+    lengths,
+    kv_out: list[tuple[torch.Tensor, torch.Tensor]] | None = None,
+    fused_kernels: bool = False,
+) -> PrefixCache:
+    """Vision for all envs x cameras in one pass, then the LM over the prefix (value output if needed).
+
+    `kv_out`: per-layer K/V destinations (the scheduler's cache slots); `fused_kernels`: see `Pi05Model.run_prefix`.
+    """
     positions = torch.arange(tokens.shape[1], device=tokens.device)
     token_mask = positions[None, :] < lengths[:, None]
     emb, valid = model.embed_prefix(images, image_mask, tokens, token_mask)
-    return model.run_prefix(emb, valid, need_output=model.config.value_source == "prefix")
+    need_output = model.config.value_source == "prefix"
+    return model.run_prefix(emb, valid, need_output=need_output, kv_out=kv_out, fused_kernels=fused_kernels)
 
 
 def prefix_values(model: Pi05Model, cache: PrefixCache) -> tuple[torch.Tensor, torch.Tensor] | None:
@@ -114,11 +126,15 @@ def run_denoise_stage(
     xi: torch.Tensor,
     ctrl: Controls,
     prefix_value: torch.Tensor | None,
+    fused_kernels: bool = False,
 ) -> RolloutOutputs:
-    """K unrolled expert steps with the rollout math; values from the prefix or the pooled suffix."""
+    """K unrolled expert steps with the rollout math; values from the prefix or the pooled suffix.
+
+    `fused_kernels`: run the expert layers as the fused kernels of `kernels.py` where they serve.
+    """
 
     def velocity_fn(x: torch.Tensor, i: int):
-        out = model.expert_step(cache, x, tables.step_mods(i), use_fused=True)
+        out = model.expert_step(cache, x, tables.step_mods(i), use_fused=True, fused_kernels=fused_kernels)
         return model.velocity(out), out
 
     value_fn = None

@@ -67,6 +67,7 @@ def check_scheduler_fields(cfg: SchedulerConfig) -> None:
         if len(set(slots)) != len(slots):
             raise ValueError(bad_input(f"{owner}.camera_sets[{i}]", "distinct slot indices", slots))
     check_bool(f"{owner}.cuda_graphs", cfg.cuda_graphs)
+    check_bool(f"{owner}.fused_kernels", cfg.fused_kernels)
 
 
 @dataclass
@@ -80,6 +81,10 @@ class SchedulerConfig:
         num_steps: declared K values (time and adaRMS tables per K).
         camera_sets: declared sets of used camera slots, e.g. ((0, 1),) for LIBERO.
         cuda_graphs: capture graphs on CUDA (False: run eagerly on the static buffers).
+        fused_kernels: run the hot path's fused Triton kernels (`kernels.py`: residual add + (ada)RMSNorm, RoPE
+            + K/V cache write) on CUDA in half precision; False runs the unfused PyTorch ops (the A/B baseline and
+            a fallback). Either way graph replay equals the eager stage bitwise; the two settings differ by
+            rounding (the fused kernels round once per kernel). No effect on CPU or in float32.
     """
 
     max_batch_size: int = 64
@@ -88,6 +93,7 @@ class SchedulerConfig:
     num_steps: tuple[int, ...] = (10,)
     camera_sets: tuple[tuple[int, ...], ...] = ((0, 1, 2),)
     cuda_graphs: bool = True
+    fused_kernels: bool = True
 
     def __post_init__(self) -> None:
         check_scheduler_fields(self)
@@ -277,11 +283,10 @@ class Pi05Scheduler:
             images, image_mask = buf.images[:b].index_select(1, index), buf.image_mask[:b].index_select(1, index)
         else:
             images, image_mask = buf.images[:b], buf.image_mask[:b]
-        cache = run_prefix_stage(self.model, images, image_mask, buf.tokens[:b, :length], buf.lengths[:b])
-        t = cache.key_mask.shape[1]
-        for i, (k, v) in enumerate(zip(cache.keys, cache.values)):
-            buf.keys[i][:b, :, :t].copy_(k)
-            buf.values[i][:b, :, :t].copy_(v)
+        t = len(cams) * self.model.config.vision.num_patches + length
+        kv_out = [(k[:b, :, :t], v[:b, :, :t]) for k, v in zip(buf.keys, buf.values)]  # written by the LM stage
+        cache = run_prefix_stage(self.model, images, image_mask, buf.tokens[:b, :length], buf.lengths[:b], kv_out,
+                                 self.config.fused_kernels)  # fmt: skip
         buf.key_mask[:b, :t].copy_(cache.key_mask)
         buf.num_valid[:b].copy_(cache.num_valid)
         value = prefix_values(self.model, cache)
@@ -315,7 +320,8 @@ class Pi05Scheduler:
         ctrl, inds = controls(ControlInputs(**buf.switches), seeds, counters, k)
         has_prefix_value = mcfg.value_source == "prefix" and self.model.value_head is not None
         prefix_value = buf.prefix_value[:b] if has_prefix_value else None
-        out = run_denoise_stage(self.model, cache, self.tables[k], x0, xi, ctrl, prefix_value)
+        fused = self.config.fused_kernels
+        out = run_denoise_stage(self.model, cache, self.tables[k], x0, xi, ctrl, prefix_value, fused)
         buf.chain[:b, : k + 1].copy_(out.chain)
         buf.log_prob[:b].copy_(out.log_prob_elements)
         buf.out_values[:b].copy_(out.values)

@@ -1,0 +1,141 @@
+"""The fused Triton kernels against their PyTorch references, run by Triton's CPU interpreter.
+
+They need triton installed and ``TRITON_INTERPRET=1`` set before `policies.pi05.kernels` is imported:
+
+    TRITON_INTERPRET=1 PYTHONPATH=$PWD python -m pytest -q tests/policies/pi05/test_kernels.py
+
+A plain pytest run with triton installed runs this file once more in such a subprocess
+(`test_interpreter_run`); without triton (CI) everything here skips. The interpreter truncates float32 ->
+bfloat16 where the GPU rounds to nearest even, so kernel and reference agree to one bfloat16 ulp here; the CUDA
+tests (`test_kernels_cuda.py`) hold the compiled kernels to the float32 formulas.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from policies.pi05 import kernels
+from policies.pi05.gemma import apply_rope, rope_cos_sin
+
+HAS_TRITON = importlib.util.find_spec("triton") is not None
+interpreted = pytest.mark.skipif(
+    not kernels.INTERPRETED,
+    reason="needs triton and TRITON_INTERPRET=1 at import (run by test_interpreter_run when triton is installed)",
+)
+ROOT = Path(__file__).resolve().parents[3]
+
+
+def within_ulp(got: torch.Tensor, want: torch.Tensor, ulps: float = 1.0) -> bool:
+    """|got - want| <= ulps bfloat16 ulps of want (2^-7 relative), elementwise, plus a tiny absolute slack."""
+    got, want = got.float(), want.float()
+    return bool(((got - want).abs() <= want.abs() * (ulps * 2**-7) + 1e-6).all())
+
+
+def near(got: torch.Tensor, want: torch.Tensor, ulps: float) -> bool:
+    """max |got - want| <= ulps bfloat16 ulps of max |want| (for results of differently rounded inputs)."""
+    return bool((got.float() - want.float()).abs().max() <= want.float().abs().max() * (ulps * 2**-7))
+
+
+@pytest.mark.skipif(not HAS_TRITON or kernels.INTERPRETED or torch.cuda.is_available(),
+                    reason="needs triton on a CPU-only machine; runs this file under the interpreter")  # fmt: skip
+def test_interpreter_run():
+    env = {**os.environ, "TRITON_INTERPRET": "1", "PYTHONPATH": str(ROOT)}
+    cmd = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-k", "not test_interpreter_run",
+           str(Path(__file__))]  # fmt: skip
+    proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=900)
+    assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-2000:]
+    assert " passed" in proc.stdout and "skipped" not in proc.stdout.splitlines()[-1], proc.stdout[-2000:]
+
+
+@interpreted
+@pytest.mark.parametrize("per_batch", [False, True])
+def test_add_norm_adaptive_matches_reference(per_batch):
+    g = torch.Generator().manual_seed(1)
+    b, t, w = 3, 5, 40
+    x = (torch.randn(b, t, w, generator=g) * 3).bfloat16()
+    delta = torch.randn(b, t, w, generator=g).bfloat16()
+    table = torch.randn(b if per_batch else 1, 1, 3 * w, generator=g).bfloat16()  # [1 + scale | shift | gate]
+    scale1, shift, gate = table.chunk(3, dim=-1)  # strided views of one table row, as the rollout's step tables
+    with torch.no_grad():
+        res, y = kernels.add_norm(x, delta, scale1, 1e-6, gate=gate, shift=shift)
+        ref_res, ref_y = kernels.add_norm_reference(x, delta, scale1, 1e-6, gate=gate, shift=shift)
+    assert res.dtype == y.dtype == torch.bfloat16 and y.shape == x.shape
+    assert within_ulp(res, ref_res)
+    # y from the kernel's own residual (so a truncated residual ulp does not propagate into the comparison)
+    assert within_ulp(y, kernels.add_norm_reference(res, None, scale1, 1e-6, shift=shift)[1])
+    assert near(y, ref_y, ulps=2)
+
+
+@interpreted
+def test_add_norm_plain_first_and_final_norms():
+    g = torch.Generator().manual_seed(2)
+    x = (torch.randn(2, 7, 64, generator=g) * 5).bfloat16()
+    delta = torch.randn(2, 7, 64, generator=g).bfloat16()
+    weight = torch.randn(64, generator=g) * 0.1  # float32 Gemma norm weight, used as 1 + w
+    with torch.no_grad():
+        res, y = kernels.add_norm(x, None, weight, 1e-6, add_one=True)  # first norm: no residual to add
+        assert res is x
+        assert within_ulp(y, kernels.add_norm_reference(x, None, weight, 1e-6, add_one=True)[1])
+        _, out = kernels.add_norm(x, delta, weight, 1e-6, add_one=True, out_dtype=torch.float32, store_residual=False)
+        ref_res, ref = kernels.add_norm_reference(x, delta, weight, 1e-6, add_one=True, out_dtype=torch.float32)
+    assert out.dtype == torch.float32
+    # float32 output holding compute-dtype values (as upcast of a bfloat16 norm output)
+    assert torch.equal(out, out.bfloat16().float())
+    assert near(out, ref, ulps=2)
+    # the unfused PyTorch norm on the same residual: within two ulps (it rounds twice)
+    plain = torch.nn.functional.rms_norm(ref_res, (64,), weight=(1.0 + weight).bfloat16(), eps=1e-6)
+    assert near(out, plain, ulps=2)
+
+
+@interpreted
+@pytest.mark.parametrize("need_q", [True, False])
+def test_qkv_rope_writes_rotated_q_k_and_v_into_cache_slots(need_q):
+    g = torch.Generator().manual_seed(3)
+    b, t, n, nkv, hd, start = 2, 19, 4, 1, 24, 5
+    y = torch.randn(b, t, (n + 2 * nkv) * hd, generator=g).bfloat16()  # the fused [q; k; v] GEMM output
+    heads = y.view(b, t, n + 2 * nkv, hd)
+    q, k, v = heads[:, :, :n], heads[:, :, n : n + nkv], heads[:, :, n + nkv :]
+    positions = torch.randint(0, 300, (b, t), generator=g)
+    cos, sin = rope_cos_sin(positions, hd, 10_000.0, torch.bfloat16)
+    keys = torch.full((b, nkv, t + start + 3, hd), 7.0).bfloat16()
+    values = keys.clone()
+    q_out = torch.empty(b, t, n, hd, dtype=torch.bfloat16) if need_q else None
+    with torch.no_grad():
+        k_slot, v_slot = keys[:, :, start : start + t].transpose(1, 2), values[:, :, start : start + t].transpose(1, 2)
+        kernels.qkv_rope(q if need_q else None, k, v, cos[:, 0], sin[:, 0], q_out, k_slot, v_slot)
+    slot = slice(start, start + t)
+    assert torch.equal(values[:, :, slot], v.transpose(1, 2))  # v copied exactly
+    assert within_ulp(keys[:, :, slot].transpose(1, 2), kernels.rope_reference(k, cos[:, 0], sin[:, 0]))
+    for cache in (keys, values):
+        assert (cache[:, :, :start] == 7.0).all() and (cache[:, :, start + t :] == 7.0).all()  # only the slot
+    if need_q:
+        assert within_ulp(q_out, kernels.rope_reference(q, cos[:, 0], sin[:, 0]))
+        # and the model's unfused RoPE (which rounds x * cos first): within two ulps
+        assert near(q_out.transpose(1, 2), apply_rope(q.transpose(1, 2), cos, sin), ulps=2)
+
+
+@interpreted
+def test_fused_rollout_matches_unfused_tiny_bf16_policy():
+    """The scheduler's eager stages with and without the fused kernels (tiny model, bf16, CPU interpreter)."""
+    from policies.pi05.policy import Pi05Policy, RolloutConfig
+    from policies.pi05.scheduler import SchedulerConfig
+    from tests.policies.pi05.helpers import PROMPT, SLOTS, StandInProcessor, make_inputs, make_model
+
+    model = make_model(0, value_source="prefix").set_precision(torch.bfloat16)
+    outs = {}
+    for fused in (False, True):
+        sched = SchedulerConfig(max_batch_size=2, num_steps=(2,), camera_sets=(SLOTS,), prompt_buckets=(PROMPT,),
+                                fused_kernels=fused)  # fmt: skip
+        policy = Pi05Policy(model, StandInProcessor(SLOTS), RolloutConfig(num_steps=2, action_chunk=4), sched)
+        outs[fused] = policy.act_inputs(make_inputs(2, seed=4), seeds=[0, 1])
+    a, b = outs[False], outs[True]
+    assert torch.equal(a.chains[:, 0], b.chains[:, 0])  # x_0 draws are exact
+    assert torch.allclose(a.chains, b.chains, atol=5e-2, rtol=0), (a.chains - b.chains).abs().max()
+    assert torch.allclose(a.values, b.values, atol=5e-2, rtol=5e-2), (a.values, b.values)

@@ -1,0 +1,158 @@
+"""The compiled fused kernels against float32 formulas, and the policy with them on (run on the GPU by gpu_suite).
+
+Stated bounds: every bfloat16 output of `add_norm` and `qkv_rope` is within one bfloat16 ulp (relative 2^-7) of
+the float32 formula evaluated on the same inputs (one rounding; the float32 summation order may move a value
+across a rounding boundary, hence one ulp rather than half).
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from policies.pi05.gemma import rope_cos_sin
+
+pytestmark = [
+    pytest.mark.cuda,
+    pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU (run by benchmarks/gpu_suite.py)"),
+]
+
+
+def _rel_err(got: torch.Tensor, want: torch.Tensor) -> float:
+    """max |got - want| / (|want| + 1e-6), elementwise (relative error in the worst element)."""
+    return ((got.float() - want.float()).abs() / (want.float().abs() + 1e-6)).max().item()
+
+
+def _within_ulp(got: torch.Tensor, want: torch.Tensor) -> bool:
+    return bool(((got.float() - want.float()).abs() <= want.float().abs() * 2**-7 + 1e-5).all())
+
+
+@pytest.mark.parametrize(("rows", "width", "adaptive"), [(50, 1024, True), (64 * 50, 1024, True), (2000, 2048, False)])
+def test_add_norm_matches_float32_formula(rows, width, adaptive):
+    pytest.importorskip("triton")
+    from policies.pi05 import kernels
+
+    g = torch.Generator(device="cuda").manual_seed(rows)
+    b = 2 if rows > 50 else 1
+    x = (torch.randn(b, rows // b, width, device="cuda", generator=g) * 4).bfloat16()
+    delta = torch.randn(b, rows // b, width, device="cuda", generator=g).bfloat16()
+    if adaptive:
+        table = torch.randn(1, 1, 3 * width, device="cuda", generator=g).bfloat16()
+        scale, shift, gate = table.chunk(3, dim=-1)
+        kwargs = dict(gate=gate, shift=shift)
+    else:
+        scale, kwargs = torch.randn(width, device="cuda", generator=g) * 0.1, dict(add_one=True)
+    with torch.no_grad():
+        res, y = kernels.add_norm(x, delta, scale, 1e-6, **kwargs)
+        _, out32 = kernels.add_norm(x, delta, scale, 1e-6, out_dtype=torch.float32, store_residual=False, **kwargs)
+    # float32 formulas: the residual of the inputs, the norm of the kernel's (rounded) residual
+    d = delta.float() * (kwargs["gate"].float() if adaptive else 1.0)
+    res32 = x.float() + d
+    r = res.float()
+    s = scale.float() + (0.0 if adaptive else 1.0)
+    y32 = r * torch.rsqrt(r.square().mean(-1, keepdim=True) + 1e-6) * s + (kwargs["shift"].float() if adaptive else 0)
+    assert _within_ulp(res, res32), _rel_err(res, res32)
+    assert _within_ulp(y, y32), _rel_err(y, y32)
+    assert torch.equal(out32, y.float())  # the final norm's float32 output holds the bfloat16 values
+    ref_res, ref_y = kernels.add_norm_reference(x, delta, scale, 1e-6, **kwargs)
+    assert (res != ref_res).float().mean() < 1e-3 and (y != ref_y).float().mean() < 1e-2  # the reference
+
+
+@pytest.mark.parametrize(("batch", "tokens", "need_q"), [(1, 50, True), (8, 1018, True), (2, 300, False)])
+def test_qkv_rope_matches_float32_formula(batch, tokens, need_q):
+    pytest.importorskip("triton")
+    from policies.pi05 import kernels
+
+    g = torch.Generator(device="cuda").manual_seed(tokens)
+    n, nkv, hd, start = 8, 1, 256, 17
+    y = torch.randn(batch, tokens, (n + 2 * nkv) * hd, device="cuda", generator=g).bfloat16()
+    heads = y.view(batch, tokens, n + 2 * nkv, hd)
+    q, k, v = heads[:, :, :n], heads[:, :, n : n + nkv], heads[:, :, n + nkv :]
+    positions = torch.randint(0, 1100, (batch, tokens), device="cuda", generator=g)
+    cos, sin = (c[:, 0] for c in rope_cos_sin(positions, hd, 10_000.0, torch.bfloat16))
+    keys = torch.zeros(batch, nkv, tokens + start + 5, hd, device="cuda", dtype=torch.bfloat16)
+    values = torch.zeros_like(keys)
+    q_out = torch.empty(batch, tokens, n, hd, device="cuda", dtype=torch.bfloat16) if need_q else None
+    slot = slice(start, start + tokens)
+    with torch.no_grad():
+        kernels.qkv_rope(q if need_q else None, k, v, cos, sin, q_out,
+                         keys[:, :, slot].transpose(1, 2), values[:, :, slot].transpose(1, 2))  # fmt: skip
+
+    def rope32(x):
+        xf = x.float()
+        swapped = torch.cat([xf[..., hd // 2 :], xf[..., : hd // 2]], dim=-1)
+        return xf * cos.float()[:, :, None] + swapped * sin.float()[:, :, None]
+
+    assert _within_ulp(keys[:, :, slot].transpose(1, 2), rope32(k))
+    assert torch.equal(values[:, :, slot], v.transpose(1, 2))
+    assert not keys[:, :, :start].any() and not keys[:, :, start + tokens :].any()
+    if need_q:
+        assert _within_ulp(q_out, rope32(q)), _rel_err(q_out, rope32(q))
+
+
+def _policy(model, graphs: bool, fused: bool):
+    from policies.pi05.policy import Pi05Policy, RolloutConfig
+    from policies.pi05.scheduler import SchedulerConfig
+    from tests.policies.pi05.test_scheduler_cuda import _Proc
+
+    sched = SchedulerConfig(max_batch_size=8, num_steps=(5,), prompt_buckets=(16, 48, 200), camera_sets=((0, 1, 2),),
+                            cuda_graphs=graphs, fused_kernels=fused)  # fmt: skip
+    return Pi05Policy(model, _Proc((0, 1, 2)), RolloutConfig(num_steps=5, action_chunk=4), sched)
+
+
+@pytest.mark.parametrize("fused", [True, False])
+def test_graph_replay_equals_eager_bitwise_with_and_without_fused_kernels(fused):
+    from tests.policies.pi05.test_scheduler_cuda import _inputs, _model
+
+    model = _model()
+    graph, eager = _policy(model, True, fused), _policy(model, False, fused)
+    x = _inputs(5, 48, 40)
+    a, b = graph.act_inputs(x, seeds=range(5)), eager.act_inputs(x, seeds=range(5))
+    for name in ("chains", "log_prob_elements", "values", "denoise_inds"):
+        assert torch.equal(getattr(a, name), getattr(b, name)), name
+
+
+def test_fused_kernels_agree_with_unfused_policy():
+    from tests.policies.pi05.test_scheduler_cuda import _inputs, _model
+
+    model = _model()
+    x = _inputs(5, 200, 150, seed=3)
+    fused = _policy(model, True, True).act_inputs(x, seeds=range(5))
+    plain = _policy(model, True, False).act_inputs(x, seeds=range(5))
+    assert torch.equal(fused.chains[:, 0], plain.chains[:, 0])
+    assert torch.allclose(fused.chains, plain.chains, atol=2e-2, rtol=0), (fused.chains - plain.chains).abs().max()
+    assert torch.allclose(fused.values, plain.values, atol=2e-2, rtol=2e-2)
+
+
+def test_fused_kernels_cut_kernels_per_expert_layer_step():
+    """Kernel counts of the eager denoise stage (the graph's kernels): a 2-layer minus a 1-layer tiny model."""
+    from collections import Counter
+
+    from torch.profiler import ProfilerActivity, profile
+
+    from policies.pi05.config import GemmaConfig, Pi05Config
+    from policies.pi05.model import Pi05Model, randomize_parameters_
+    from tests.policies.pi05.test_scheduler_cuda import _inputs
+
+    def count(depth: int, fused: bool) -> int:
+        llm = GemmaConfig(width=64, depth=depth, mlp_dim=128, num_heads=4, num_kv_heads=1, head_dim=24)
+        expert = GemmaConfig(width=40, depth=depth, mlp_dim=72, num_heads=4, num_kv_heads=1, head_dim=24)
+        with torch.device("cuda"):
+            model = Pi05Model(Pi05Config.tiny(max_token_len=200, llm=llm, expert=expert))
+        randomize_parameters_(model, 0)
+        policy = _policy(model.set_precision(torch.bfloat16), False, fused)
+        sched = policy.scheduler
+        sched._load(_inputs(1, 48, 40), torch.zeros(1, dtype=torch.int64, device="cuda"),
+                    torch.zeros(1, dtype=torch.int64, device="cuda"), policy.sampling_options(True), 1, 48)  # fmt: skip
+        with torch.no_grad():
+            for _ in range(2):
+                sched._denoise_stage(1, 48, (0, 1, 2), 5)
+            torch.cuda.synchronize()
+            with profile(activities=[ProfilerActivity.CUDA]) as prof:
+                sched._denoise_stage(1, 48, (0, 1, 2), 5)
+                torch.cuda.synchronize()
+        return sum(Counter(e.name for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA).values())
+
+    per_step = {fused: (count(2, fused) - count(1, fused)) / 5 for fused in (False, True)}
+    assert per_step[True] <= per_step[False] - 8, per_step
+    assert per_step[True] <= 14, per_step

@@ -33,7 +33,7 @@ class Table:
 
 TABLES: dict[str, Table] = {
     "policy": Table(
-        ("case", "method", "value_source", "batch"),
+        ("case", "method", "value_source", "batch", "fused_kernels"),
         ("p50_ms", "samples_per_s", "prefix_ms_p50", "denoise_ms_p50", "achieved_tflops", "peak_mem_gib"),
     ),
     "model_eager": Table(("backend", "batch"), ("p50_ms", "peak_mem_gib", "finite", "status")),

@@ -1,6 +1,6 @@
 """Plot samples/s and p50 latency against batch from the latest `policy.jsonl` rows of one GPU.
 
-    python -m benchmarks.plot_policy --out benchmarks/results/h200_policy.png [--jsonl FILE] [--gpu "NVIDIA H200"]
+    python -m benchmarks.plot_policy --out benchmarks/plots/h200_policy.png [--jsonl FILE] [--gpu "NVIDIA H200"]
 """
 
 from __future__ import annotations

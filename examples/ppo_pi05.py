@@ -109,7 +109,7 @@ class Args:
     gae_lambda: float = 0.95
     """GAE lambda"""
     num_minibatches: int = 2
-    """minibatches per epoch"""
+    """minibatches per epoch (under torchrun each rank shuffles its own samples: a minibatch is stratified by rank)"""
     update_epochs: int = 4
     """epochs over each rollout"""
     norm_adv: bool = True
@@ -426,7 +426,13 @@ def global_minibatch_stats(
 
 
 def global_metrics(
-    group: ProcessGroup, iteration: int, successes: list, returns_done: list, row: dict, y_pred, y_true
+    group: ProcessGroup,
+    iteration: int,
+    successes: list[bool],
+    returns_done: list[float],
+    row: dict,
+    y_pred: np.ndarray,
+    y_true: np.ndarray,
 ) -> dict:
     """The iteration's row entries over all ranks (approx-KL and clip fraction are global per minibatch already)."""
     what = f"the metrics all-reduce (iteration {iteration})"
@@ -458,9 +464,9 @@ def success_rate(
 ) -> float:
     """Fraction of the first `episodes` finished episodes that succeeded (policy acting as in the rollout).
 
-    Under torchrun `episodes` is the total: rank r runs the first ``episodes // G`` (one more for r below
-    ``episodes % G``) of its envs, which the caller seeds as envs r*N.. of one run, and the outcomes of all
-    ranks are gathered, so no episode is repeated or lost.
+    Under torchrun `episodes` is the total: rank r takes the first ``episodes // G`` episodes (one more for r below
+    ``episodes % G``) that its envs finish -- the caller seeds them as envs r*N.. of one run, so every episode has
+    its own seed -- and the outcomes of all ranks are gathered: none is repeated or lost.
     """
     world, rank = (1, 0) if group is None else (group.world_size, group.rank)
     share = episodes // world + (rank < episodes % world)

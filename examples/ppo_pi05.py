@@ -152,6 +152,8 @@ class Args:
         self.minibatch_size = self.batch_size // self.num_minibatches
         if self.minibatch_size < 1:
             raise ValueError(f"num_minibatches ({self.num_minibatches}) > batch_size ({self.batch_size}).")
+        if not self.dist_timeout > 0:
+            raise ValueError(f"--dist-timeout: expected seconds > 0, got {self.dist_timeout!r}. Fix: pass e.g. 300.")
 
 
 def parse_args(argv: list[str] | None = None) -> Args:

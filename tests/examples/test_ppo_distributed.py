@@ -163,3 +163,9 @@ def test_a_dead_rank_ends_the_others_with_an_error_and_the_csv_keeps_whole_rows(
     assert (tmp_path / "curve.1.csv").read_text() == first
     assert [r.split(",")[0] for r in csv.read_text().splitlines()] == ["iteration", "1", "2"]
     assert f"(the earlier curve is kept as {tmp_path / 'curve.1.csv'})" in capsys.readouterr().out
+
+
+def test_a_non_positive_timeout_is_refused_when_parsed():
+    ppo = _ppo_module()
+    with pytest.raises(ValueError, match=r"^--dist-timeout: expected seconds > 0, got 0.0. Fix: pass e.g. 300.$"):
+        ppo.parse_args(["--dist-timeout", "0"])

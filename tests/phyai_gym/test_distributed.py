@@ -2,12 +2,16 @@
 
 from __future__ import annotations
 
+import multiprocessing
+import os
 import socket
+import time
+from pathlib import Path
 
 import pytest
 import torch
 
-from phyai_gym.distributed import GradientMean, Launch, ProcessGroup
+from phyai_gym.distributed import DistributedError, GradientMean, Launch, ProcessGroup
 
 FULL = {"RANK": "3", "LOCAL_RANK": "1", "WORLD_SIZE": "4", "MASTER_ADDR": "10.0.0.1", "MASTER_PORT": "29500"}
 
@@ -48,10 +52,14 @@ def test_the_timeout_must_be_positive():
         ProcessGroup(Launch(0, 0, 1), "cpu", timeout_s=0)
 
 
-def test_one_rank_group_collectives_and_gradient_mean():
+def _free_port() -> str:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
-        port = str(s.getsockname()[1])
+        return str(s.getsockname()[1])
+
+
+def test_one_rank_group_collectives_and_gradient_mean():
+    port = _free_port()
     env = {"RANK": "0", "LOCAL_RANK": "0", "WORLD_SIZE": "1", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": port}
     with ProcessGroup(Launch.from_env(env), "cpu", timeout_s=30, environ=env) as group:
         assert (group.backend, group.device, group.rank, group.world_size) == ("gloo", torch.device("cpu"), 0, 1)
@@ -62,3 +70,32 @@ def test_one_rank_group_collectives_and_gradient_mean():
         assert (a.grad.tolist(), b.grad.tolist()) == ([2.0, 2.0], [0.0, 1.0, 2.0])
         with pytest.raises(RuntimeError, match="already initialised"):
             ProcessGroup(Launch.from_env(env), "cpu", timeout_s=30, environ=env)
+
+
+def _hanging_pair(rank: int, port: str, out: str) -> None:
+    """Rank 1 hangs for 30 s before the all-reduce; rank 0 waits at most 5 s for it."""
+    env = {"RANK": str(rank), "LOCAL_RANK": str(rank), "WORLD_SIZE": "2", "MASTER_ADDR": "127.0.0.1"}
+    env["MASTER_PORT"] = port
+    group = ProcessGroup(Launch.from_env(env), "cpu", timeout_s=5, environ=env)  # 5 s: slack for the rendezvous
+    if rank == 1:
+        time.sleep(30)
+    try:
+        group.all_reduce_sum(torch.ones(1), "the test all-reduce")
+    except DistributedError as error:
+        Path(out, f"error{rank}.txt").write_text(str(error))
+    os._exit(0)  # leave without the group's shutdown handshake (the peer may be gone)
+
+
+def test_a_hung_rank_fails_the_collective_after_the_timeout_naming_it(tmp_path):
+    context = multiprocessing.get_context("spawn")
+    port = _free_port()
+    procs = [context.Process(target=_hanging_pair, args=(r, port, str(tmp_path))) for r in range(2)]
+    for p in procs:
+        p.start()
+    procs[0].join(timeout=60)
+    for p in procs:
+        p.kill()
+    error = (tmp_path / "error0.txt").read_text()
+    assert error.startswith("rank 0 of 2: the test all-reduce did not complete (gloo: "), error
+    assert "Timed out waiting 5000ms" in error
+    assert "(a collective waits at most 5 s, --dist-timeout). Fix: find the rank that failed first" in error

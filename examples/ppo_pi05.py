@@ -19,7 +19,18 @@ episodes are bootstrapped with the critic on their final observation (``infos["p
     python examples/ppo_pi05.py --help                          # every flag, its meaning and default
 
 The curve is written as it goes (``--csv``, one row flushed per iteration) and plotted next to it (same name,
-``.png``) at the end and on Ctrl-C; `phyai_gym.curves` does both.
+``.png``) at the end and on Ctrl-C; `phyai_gym.curves` does both. A rerun with the same ``--csv`` starts from
+iteration 1 in a fresh file and keeps the earlier one as ``<stem>.<k>.csv`` (nothing lost, nothing duplicated).
+
+Data parallel under torchrun (`phyai_gym.distributed`; NCCL on GPUs, gloo on the CPU): each of G ranks owns N
+envs -- rank r's are envs r*N..(r+1)*N-1 of one run with G*N envs (the same env seeds and policy noise streams)
+-- its rollout policy and its trainer copy. Every minibatch, one all-reduce of sums gives the global approx-KL,
+clip fraction and advantage mean/std, and one all-reduce averages the float32 master gradients, so every rank
+steps identical weights and syncs its own rollout policy in process. Rank 0 writes the CSV; the final evaluation
+is split over the ranks. Without torchrun (no WORLD_SIZE) nothing of this runs.
+
+    torchrun --nproc_per_node 2 examples/ppo_pi05.py --num-envs 16         # 2 CPU ranks (gloo), 32 envs
+    torchrun --nproc_per_node 8 examples/ppo_pi05.py --config base --device cuda --num-envs 32
 """
 
 from __future__ import annotations
@@ -33,6 +44,7 @@ import torch
 
 from phyai_gym.curves import CurveLog
 from phyai_gym.dataclass_cli import parse_dataclass
+from phyai_gym.distributed import GradientMean, ProcessGroup
 from phyai_gym.make import make_env, make_policy
 from phyai_gym.threads import configure_threads
 from policies.master_weights import MasterWeights
@@ -82,7 +94,7 @@ class Args:
     episode_length: int = 1
     """target task: steps before truncation"""
     num_envs: int = 32
-    """N, parallel envs"""
+    """N, parallel envs (per rank under torchrun: G ranks step G*N envs)"""
     num_steps: int = 2
     """T, policy calls per env per rollout"""
     # Algorithm
@@ -97,7 +109,7 @@ class Args:
     gae_lambda: float = 0.95
     """GAE lambda"""
     num_minibatches: int = 2
-    """minibatches per epoch"""
+    """minibatches per epoch (under torchrun each rank shuffles its own samples: a minibatch is stratified by rank)"""
     update_epochs: int = 4
     """epochs over each rollout"""
     norm_adv: bool = True
@@ -118,13 +130,18 @@ class Args:
     eval_episodes: int = 256
     """episodes of the final success-rate measurement (stochastic and deterministic); 0 skips it"""
     csv: str | None = "ppo_curve.csv"
-    """learning curve CSV, one row flushed per iteration; the plot goes next to it as .png (none: do not write)"""
+    """learning curve CSV, one row flushed per iteration (rank 0 writes it); the plot goes next to it as .png; an
+    existing file is kept as <stem>.<k>.csv, never appended to (none: do not write)"""
     quiet: bool = False
     """no per-iteration line"""
+    # torchrun
+    dist_timeout: float = 300.0
+    """torchrun runs: seconds that joining the group and every collective wait for the other ranks, after which
+    this rank exits with an error naming the collective (a rank that died or hung)"""
 
     # Derived in __post_init__ (STYLE item 2).
     batch_size: int = field(default=0, init=False)
-    """T * N samples per iteration"""
+    """T * N samples per iteration (per rank under torchrun)"""
     minibatch_size: int = field(default=0, init=False)
     """batch_size // num_minibatches"""
 
@@ -135,6 +152,8 @@ class Args:
         self.minibatch_size = self.batch_size // self.num_minibatches
         if self.minibatch_size < 1:
             raise ValueError(f"num_minibatches ({self.num_minibatches}) > batch_size ({self.batch_size}).")
+        if not self.dist_timeout > 0:
+            raise ValueError(f"--dist-timeout: expected seconds > 0, got {self.dist_timeout!r}. Fix: pass e.g. 300.")
 
 
 def parse_args(argv: list[str] | None = None) -> Args:
@@ -146,25 +165,40 @@ def train(args: Args) -> dict:
     """Runs PPO; returns the learning curve (one dict per iteration) and the final success rates.
 
     The curve CSV and its plot are written on the way out, also when the loop is interrupted (Ctrl-C).
+    Under torchrun every rank runs this; rank 0 writes the curve and prints, every rank returns the same curve.
     """
-    curves = CurveLog(args.csv, args.total_iterations, title=f"PPO, {args.config} PI0.5, {args.env}, {args.device}")
+    group = ProcessGroup.from_env(args.device, timeout_s=args.dist_timeout)  # None: not launched by torchrun
+    rank = 0 if group is None else group.rank
+    ranks = "" if group is None else f", {group.world_size} ranks"
+    title = f"PPO, {args.config} PI0.5, {args.env}, {args.device}{ranks}"
+    curves = CurveLog(args.csv if rank == 0 else None, args.total_iterations, title=title)
     try:
-        return _train(args, curves)
+        return _train(args, curves, group)
     finally:
         files = curves.close()
         done = f"{len(curves.rows)}/{args.total_iterations} iterations"
-        print(f"curve ({done}): {', '.join(map(str, files))}" if files else f"curve ({done}): not written (--csv none)")
+        kept = "" if curves.kept is None else f" (the earlier curve is kept as {curves.kept})"
+        if rank == 0:
+            why = "--csv none" if args.csv is None else "no iteration finished"
+            written = ", ".join(map(str, files)) + kept if files else f"not written ({why})"
+            print(f"curve ({done}): {written}")
+        if group is not None:
+            group.close()
 
 
-def _train(args: Args, curves: CurveLog) -> dict:
+def _train(args: Args, curves: CurveLog, group: ProcessGroup | None) -> dict:
+    rank, world = (0, 1) if group is None else (group.rank, group.world_size)
     random.seed(args.seed)
-    np.random.seed(args.seed)
-    torch.manual_seed(args.seed)
+    np.random.seed(args.seed + rank)  # the minibatch shuffle: each rank shuffles its own samples
+    torch.manual_seed(args.seed)  # the same weights on every rank
     tiny = args.config == "tiny" and args.checkpoint is None
     threads = configure_threads(args.threads, device=args.device, small_model=tiny)
-    if not args.quiet:
+    verbose = not args.quiet and rank == 0
+    if verbose:
         print(threads)
-    device = torch.device(args.device)
+    device_name = args.device if group is None else str(group.device)  # torchrun: cuda:LOCAL_RANK on a GPU
+    device = torch.device(device_name)
+    env_offset = rank * args.num_envs  # global id of this rank's env 0: its seeds and noise streams follow
 
     # ---- env setup ---------------------------------------------------------------------------------
     env_kwargs = (
@@ -184,7 +218,7 @@ def _train(args: Args, curves: CurveLog) -> dict:
         keep_prefix=args.trainable == "expert" and args.trainer_dtype is None,  # the update reuses the prefix K/V
     )
     policy_kwargs = dict(
-        preset=args.preset, config=args.config, action_dim=action_dim, device=args.device, seed=args.seed,
+        preset=args.preset, config=args.config, action_dim=action_dim, device=device_name, seed=args.seed,
         rollout=rollout_cfg, max_batch_size=args.num_envs,
     )  # fmt: skip
     if args.checkpoint is None:
@@ -194,11 +228,15 @@ def _train(args: Args, curves: CurveLog) -> dict:
     if args.trainer_dtype is not None:
         trainer_kwargs["dtype"] = args.trainer_dtype
     trainer = make_policy(args.checkpoint, **trainer_kwargs)
+    if group is not None:  # identical trainable weights on every rank (the frozen rest: the same seed / checkpoint)
+        with torch.no_grad():
+            group.broadcast([p for _, p in trainer.trainable_parameters()], "the initial weight broadcast")
     policy.sync_weights(trainer.model, expected="all")  # start from identical weights (version 1)
     if rollout_cfg.keep_prefix:
         trainer.model.share_prefix(policy.model)  # the frozen prefix: one copy of its weights, the rollout's
     master = MasterWeights(p for _, p in trainer.trainable_parameters())  # float32 weights the optimizer steps
     optimizer = torch.optim.Adam(master.parameters(), lr=args.learning_rate, eps=1e-5)
+    grad_mean = None if group is None else GradientMean(group)  # DDP's mean, on the float32 master gradients
     envs = PolicyVectorEnv(raw_env, policy, action_chunk=args.action_chunk)
 
     # ---- storage: (T, N) scalars preallocated; the T calls' samples (inputs, chains, prefix K/V) ----------
@@ -211,7 +249,7 @@ def _train(args: Args, curves: CurveLog) -> dict:
     # ---- start the game ----------------------------------------------------------------------------
     global_step = 0
     start_time = time.perf_counter()
-    obs, _ = envs.reset(seed=args.seed)
+    obs, _ = envs.reset(seed=args.seed + env_offset)  # env i: seed + env_offset + i
     times = {"rollout": 0.0, "train": 0.0, "sync": 0.0}
     for iteration in range(1, args.total_iterations + 1):
         if args.anneal_lr:
@@ -224,7 +262,7 @@ def _train(args: Args, curves: CurveLog) -> dict:
             for step in range(T):
                 obs, reward, terminated, truncated, infos = envs.step()  # the policy acts on `obs`
                 out = envs.last_output
-                global_step += N * args.action_chunk
+                global_step += world * N * args.action_chunk
                 log_probs[step] = out.log_prob
                 values[step] = out.values
                 samples.append(RolloutBatch.from_output(out))
@@ -269,14 +307,21 @@ def _train(args: Args, curves: CurveLog) -> dict:
                 new = trainer.evaluate(b_samples.select(mb), cuda_graphs=args.trainer_cuda_graphs)
                 log_ratio = new.log_prob - b_log_probs[mb]
                 ratio = log_ratio.exp()
-                with torch.no_grad():
-                    approx_kl = ((ratio - 1) - log_ratio).mean()  # http://joschu.net/blog/kl-approx.html
-                    first_kl = approx_kl if first_kl is None else first_kl
-                    clipfracs.append(((ratio - 1.0).abs() > args.clip_coef).float().mean())  # no host sync
-
                 mb_adv = b_advantages[mb]
+                with torch.no_grad():
+                    if group is None:
+                        approx_kl = ((ratio - 1) - log_ratio).mean()  # http://joschu.net/blog/kl-approx.html
+                        clipfrac = ((ratio - 1.0).abs() > args.clip_coef).float().mean()  # no host sync
+                        adv_mean, adv_std = mb_adv.mean(), mb_adv.std()
+                    else:  # over every rank's share of the minibatch: one all-reduce of sums
+                        what = f"the minibatch statistics all-reduce (iteration {iteration})"
+                        approx_kl, clipfrac, adv_mean, adv_std = global_minibatch_stats(
+                            group, log_ratio, ratio, mb_adv, args.clip_coef, what
+                        )
+                    first_kl = approx_kl if first_kl is None else first_kl
+                    clipfracs.append(clipfrac)
                 if args.norm_adv:
-                    mb_adv = (mb_adv - mb_adv.mean()) / (mb_adv.std() + 1e-8)
+                    mb_adv = (mb_adv - adv_mean) / (adv_std + 1e-8)
 
                 # clipped surrogate objective
                 pg_loss1 = -mb_adv * ratio
@@ -298,6 +343,8 @@ def _train(args: Args, curves: CurveLog) -> dict:
                 optimizer.zero_grad()
                 loss.backward()
                 master.grads_to_masters()  # float32 gradients of the float32 master weights
+                if grad_mean is not None:  # their mean over the ranks: every rank takes the same step
+                    grad_mean(master.parameters(), f"the gradient all-reduce (iteration {iteration})")
                 torch.nn.utils.clip_grad_norm_(master.parameters(), args.max_grad_norm)
                 optimizer.step()
                 master.masters_to_model()  # the trainer computes with the updated weights, rounded
@@ -334,8 +381,10 @@ def _train(args: Args, curves: CurveLog) -> dict:
             "time_sync": t_sync,
             "weight_version": report.version,
         }
+        if group is not None:  # the same row on every rank: over all ranks' episodes and samples
+            row.update(global_metrics(group, iteration, successes, returns_done, row, y_pred, y_true))
         curves.log(row)
-        if not args.quiet:
+        if verbose:
             print(
                 f"{curves.progress(iteration)} | step {global_step:6d} success {row['success_rate']:.2f} "
                 f"return {row['episodic_return']:+.3f} kl {row['approx_kl']:.4f} (first {row['approx_kl_first']:.1e}) "
@@ -346,19 +395,64 @@ def _train(args: Args, curves: CurveLog) -> dict:
 
     # ---- final success rates of the trained rollout policy ----------------------------------------
     final = {
-        mode: success_rate(envs, args.eval_episodes, deterministic=mode == "deterministic", seed=args.seed + 10_000)
+        mode: success_rate(envs, args.eval_episodes, deterministic=mode == "deterministic",
+                           seed=args.seed + 10_000 + env_offset, group=group)
         if args.eval_episodes > 0
         else float("nan")
         for mode in ("stochastic", "deterministic")
-    }
+    }  # fmt: skip
     envs.close()
     total = sum(times.values())
-    print(
-        f"final success: stochastic {final['stochastic']:.3f}, deterministic {final['deterministic']:.3f} | "
-        f"time split: rollout {times['rollout'] / total:.0%}, training {times['train'] / total:.0%}, "
-        f"weight sync {times['sync'] / total:.1%} of {total:.1f}s"
-    )
-    return {"curve": curves.rows, "final": final, "times": times}
+    if rank == 0:
+        print(
+            f"final success: stochastic {final['stochastic']:.3f}, deterministic {final['deterministic']:.3f} | "
+            f"time split: rollout {times['rollout'] / total:.0%}, training {times['train'] / total:.0%}, "
+            f"weight sync {times['sync'] / total:.1%} of {total:.1f}s"
+        )
+    return {"curve": curves.rows, "final": final, "times": times, "trainer": trainer}
+
+
+def global_minibatch_stats(
+    group: ProcessGroup, log_ratio: torch.Tensor, ratio: torch.Tensor, adv: torch.Tensor, clip_coef: float, what: str
+) -> tuple[torch.Tensor, ...]:
+    """approx-KL, clip fraction, advantage mean and (unbiased) std over the global minibatch: one all-reduce."""
+    log_ratio, ratio, adv = log_ratio.double(), ratio.double(), adv.double()
+    sums = torch.stack([
+        torch.ones_like(adv).sum(), ((ratio - 1) - log_ratio).sum(), ((ratio - 1.0).abs() > clip_coef).double().sum(),
+        adv.sum(), (adv * adv).sum(),
+    ])  # fmt: skip
+    n, kl, clipped, adv_sum, adv_sumsq = group.all_reduce_sum(sums, what)
+    mean = adv_sum / n
+    std = ((adv_sumsq - n * mean * mean).clamp(min=0.0) / (n - 1)).sqrt()
+    return (kl / n).float(), (clipped / n).float(), mean.float(), std.float()
+
+
+def global_metrics(
+    group: ProcessGroup,
+    iteration: int,
+    successes: list[bool],
+    returns_done: list[float],
+    row: dict,
+    y_pred: np.ndarray,
+    y_true: np.ndarray,
+) -> dict:
+    """The iteration's row entries over all ranks (approx-KL and clip fraction are global per minibatch already)."""
+    what = f"the metrics all-reduce (iteration {iteration})"
+    local = [len(successes), sum(successes), sum(returns_done), row["pg_loss"], row["v_loss"]]
+    sums = group.all_reduce_sum(torch.tensor(local, dtype=torch.float64, device=group.device), what).tolist()
+    episodes, wins, returns, pg_loss, v_loss = sums
+    values = torch.as_tensor(np.stack([y_pred, y_true]), device=group.device)
+    y = group.all_gather(values, f"the value gather (iteration {iteration})").cpu().numpy()  # (G, 2, T*N)
+    y_pred, y_true = y[:, 0].reshape(-1), y[:, 1].reshape(-1)
+    var_y = np.var(y_true)
+    return {
+        "success_rate": wins / episodes if episodes else float("nan"),
+        "episodic_return": returns / episodes if episodes else float("nan"),
+        "episodes": int(episodes),
+        "pg_loss": pg_loss / group.world_size,  # the mean of equal-sized minibatch means
+        "v_loss": v_loss / group.world_size,
+        "explained_variance": float("nan") if var_y == 0 else float(1 - np.var(y_true - y_pred) / var_y),
+    }
 
 
 def _numpy(value) -> np.ndarray:
@@ -367,18 +461,34 @@ def _numpy(value) -> np.ndarray:
 
 
 @torch.no_grad()
-def success_rate(envs: PolicyVectorEnv, episodes: int, *, deterministic: bool, seed: int) -> float:
-    """Fraction of the first `episodes` finished episodes that succeeded (policy acting as in the rollout)."""
+def success_rate(
+    envs: PolicyVectorEnv, episodes: int, *, deterministic: bool, seed: int, group: ProcessGroup | None = None
+) -> float:
+    """Fraction of the first `episodes` finished episodes that succeeded (policy acting as in the rollout).
+
+    Under torchrun `episodes` is the total: rank r takes the first ``episodes // G`` episodes (one more for r below
+    ``episodes % G``) that its envs finish -- the caller seeds them as envs r*N.. of one run, so every episode has
+    its own seed -- and the outcomes of all ranks are gathered: none is repeated or lost.
+    """
+    world, rank = (1, 0) if group is None else (group.world_size, group.rank)
+    share = episodes // world + (rank < episodes % world)
     previous, envs.deterministic = envs.deterministic, deterministic
     envs.reset(seed=seed)
     outcomes: list[bool] = []
-    while len(outcomes) < episodes:
+    while len(outcomes) < share:
         _, _, _, _, infos = envs.step()
         if "episode" in infos:
             ended = _numpy(infos["_episode"])
             outcomes += _numpy(infos["episode"]["success_once"])[ended].tolist()
     envs.deterministic = previous
-    return float(np.mean(outcomes[:episodes]))
+    outcomes = outcomes[:share]
+    if group is not None:  # pad every share to the largest with -1, gather, drop the padding
+        padded = torch.full((-(-episodes // world),), -1.0, device=group.device)
+        padded[:share] = torch.tensor(outcomes, dtype=torch.float32)
+        mode = "deterministic" if deterministic else "stochastic"
+        gathered = group.all_gather(padded, f"the final evaluation's gather ({mode})")
+        outcomes = gathered[gathered >= 0].tolist()
+    return float(np.mean(outcomes))
 
 
 if __name__ == "__main__":

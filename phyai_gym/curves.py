@@ -1,10 +1,15 @@
 """Learning curves of a training loop: CSV rows flushed every iteration, an ``iter k/N`` + ETA line, a PNG.
 
 `CurveLog` is what a loop needs: ``log(row)`` appends one row to the CSV at once (an interrupted run keeps every
-finished iteration), ``progress(k)`` gives the ``iter k/N | elapsed, ETA`` prefix of the loop's own line, and
+finished iteration, whole rows only), ``progress(k)`` gives the ``iter k/N | elapsed, ETA`` prefix of the loop's own
+line, and
 ``close()`` -- at the end, or from a ``finally`` on Ctrl-C -- writes the plot next to the CSV. The plot shows the
 PPO columns it finds: success rate, episodic return, approx-KL, clip fraction, explained variance and the time
 split (columns named ``time_*``). matplotlib is imported only to plot, with the file-only ``Agg`` backend.
+
+A CSV that already exists (an earlier or crashed run) is never appended to or overwritten: when the first row
+comes, it and its plot are renamed to the first free ``<stem>.<k>.csv`` / ``.png`` (``kept``), and the run
+starts a fresh file, so a rerun of the same command neither loses nor duplicates an iteration.
 
 Re-plot a CSV (e.g. one copied from a GPU run)::
 
@@ -53,6 +58,7 @@ class CurveLog:
         rows: every logged row, in order.
         csv_path: the CSV (None when not written).
         plot_path: the PNG next to the CSV (same name, ``.png``; None when no CSV is written).
+        kept: where an earlier CSV of the same name was moved (None: there was none).
 
     Example:
         >>> import os, tempfile
@@ -77,6 +83,7 @@ class CurveLog:
         self._handle: Any = None
         self._writer: csv.DictWriter | None = None
         self._closed = False
+        self.kept: Path | None = None
 
     def log(self, row: Mapping[str, Any]) -> None:
         """Appends `row` (same columns as the first row) to the CSV and flushes it."""
@@ -86,10 +93,12 @@ class CurveLog:
             return
         if self._writer is None:
             self.csv_path.parent.mkdir(parents=True, exist_ok=True)
-            self._handle = open(self.csv_path, "w", newline="")  # noqa: SIM115  (open until close())
+            if self.csv_path.exists():
+                self.kept = _keep_aside(self.csv_path)
+            self._handle = open(self.csv_path, "x", newline="")  # noqa: SIM115  (open until close())
             self._writer = csv.DictWriter(self._handle, fieldnames=list(row))
             self._writer.writeheader()
-        self._writer.writerow(row)
+        self._writer.writerow(row)  # buffered whole, then flushed: a kill leaves whole rows
         self._handle.flush()
 
     def progress(self, k: int) -> str:
@@ -125,6 +134,17 @@ class CurveLog:
 
     def __exit__(self, *exc: object) -> None:
         self.close()
+
+
+def _keep_aside(path: Path) -> Path:
+    """Renames `path` (and its ``.png``) to the first free ``<stem>.<k><suffix>``; returns the new CSV path."""
+    k = 1
+    while (kept := path.with_name(f"{path.stem}.{k}{path.suffix}")).exists() or kept.with_suffix(".png").exists():
+        k += 1
+    path.rename(kept)
+    if path.with_suffix(".png").exists():
+        path.with_suffix(".png").rename(kept.with_suffix(".png"))
+    return kept
 
 
 def _column(rows: Sequence[Mapping[str, Any]], key: str) -> list[float]:

@@ -99,4 +99,4 @@ def test_command_line_has_help_defaults_and_boolean_pairs(capsys):
         ppo.parse_args(["--help"])
     text = " ".join(capsys.readouterr().out.split())
     assert "--quiet, --no-quiet no per-iteration line (default: False)" in text
-    assert "--num-envs NUM_ENVS N, parallel envs (default: 32)" in text
+    assert "--num-envs NUM_ENVS N, parallel envs (per rank under torchrun: G ranks step G*N envs) (default: 32)" in text

@@ -30,3 +30,16 @@ def test_replot_a_csv(tmp_path, capsys):
 def test_total_must_be_positive():
     with pytest.raises(ValueError, match="CurveLog: total must be >= 1 \\(the planned iterations\\), got 0"):
         CurveLog(None, total=0)
+
+
+def test_an_existing_csv_is_kept_aside_not_appended_to_or_overwritten(tmp_path):
+    (tmp_path / "curve.csv").write_text("iteration,success_rate\n1,0.1\n2,0.2\n")  # an earlier (crashed) run
+    (tmp_path / "curve.1.csv").write_text("iteration\n1\n")  # an even earlier one
+    log = CurveLog(tmp_path / "curve.csv", total=2)
+    assert (tmp_path / "curve.csv").exists() and log.kept is None  # nothing moves before the first row
+    log.log({"iteration": 1, "success_rate": 0.5})
+    log.close()
+    assert log.kept == tmp_path / "curve.2.csv"
+    assert log.kept.read_text() == "iteration,success_rate\n1,0.1\n2,0.2\n"
+    assert (tmp_path / "curve.1.csv").read_text() == "iteration\n1\n"
+    assert (tmp_path / "curve.csv").read_text().splitlines() == ["iteration,success_rate", "1,0.5"]

@@ -46,7 +46,7 @@ import torch.nn.functional as F
 MASK_VALUE = -2.3819763e38
 """Additive mask value for disallowed keys (finite, as openpi and LeRobot)."""
 
-BACKENDS = ("eager", "sdpa", "flash", "gemm")
+BACKENDS = ("eager", "sdpa", "flash", "flash_large", "gemm")
 SITES = ("vision", "prefix", "expert")
 
 
@@ -133,9 +133,15 @@ def _sdpa(q, k, v, key_mask, scale):
 
 
 GEMM_MAX_SCORES = 1 << 22
-"""Above this many score elements (B * Nh * T * S) the "gemm" backend hands over to flash/SDPA: the float32 score
+"""Above this many score elements (B * Nh * T * S) the "gemm" backend hands over to SDPA: the float32 score
 tensor's memory traffic then outweighs the fused kernel's poor occupancy (the crossover is measured by
 `benchmarks/bench_expert_attention.py`)."""
+
+FLASH_MIN_SCORES = 1 << 26
+"""At or above this many score elements "flash_large" runs FlashAttention-4, below it SDPA. Measured on the H200
+(`attention_backend.jsonl`): the masked prefix ran 2.0x / 1.8x faster under flash than SDPA at batch 64 (482 M / 161
+M score elements, cases (a) / (b)) and slower at batch 1 (7.5 M / 2.5 M: 78 vs 59 / 69 vs 40 us), as did the
+expert's 26 M at batch 64 and the unmasked vision tower at every size."""
 
 
 @functools.cache
@@ -177,7 +183,7 @@ def _gemm(q, k, v, key_mask, scale):
     s = k.shape[2]
     needs_grad = torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad)
     if not gemm_serves(b, n, k.shape[1], t, s, needs_grad):
-        return _flash(q, k, v, key_mask, scale)  # FlashAttention-4 where it serves, else SDPA
+        return _sdpa(q, k, v, key_mask, scale)
     # Rows are (token, head) when q is token-major in memory (the projection's layout), else (head, token); the
     # output keeps that layout, so the o-projection's reshape of a token-major result is free.
     token_major = q.stride(1) < q.stride(2)
@@ -306,11 +312,11 @@ def served_by(
     reported once it ran (`flash_probe_result`).
     """
     if backend == "gemm":
-        if gemm_serves(batch, heads, kv_heads, queries, keys, grad):
-            return "gemm"
-        reason = flash_shape_status(device, dtype, heads, kv_heads, head_dim, grad)
-        return "sdpa (gemm: above GEMM_MAX_SCORES or several K/V heads)" if reason else flash_kernel_name()
-    if backend == "flash":
+        served = gemm_serves(batch, heads, kv_heads, queries, keys, grad)
+        return "gemm" if served else "sdpa (gemm: above GEMM_MAX_SCORES or several K/V heads)"
+    if backend == "flash_large" and batch * heads * queries * keys < FLASH_MIN_SCORES:
+        return "sdpa (flash_large: below FLASH_MIN_SCORES)"
+    if backend in ("flash", "flash_large"):
         reason = flash_shape_status(device, dtype, heads, kv_heads, head_dim, grad)
         return f"sdpa (flash: {reason})" if reason else flash_kernel_name()
     return backend
@@ -340,6 +346,9 @@ def attend(
         return _sdpa(q, k, v, key_mask, scale)
     if backend == "flash":
         return _flash(q, k, v, key_mask, scale)
+    if backend == "flash_large":
+        large = q.shape[0] * q.shape[1] * q.shape[2] * k.shape[2] >= FLASH_MIN_SCORES
+        return (_flash if large else _sdpa)(q, k, v, key_mask, scale)
     if backend == "gemm":
         return _gemm(q, k, v, key_mask, scale)
     return _eager(q, k, v, key_mask, scale)
@@ -347,12 +356,13 @@ def attend(
 
 @dataclass
 class AttentionConfig:
-    """Which backend each call site asks for: "auto", "eager", "sdpa", "flash" or "gemm".
+    """Which backend each call site asks for: "auto", "eager", "sdpa", "flash", "flash_large" or "gemm".
 
-    "auto" takes FlashAttention-4 ("flash") for the vision tower and the prefix where it runs (CUDA sm90/sm100, a
-    half dtype, `flash_attn.cute` importable), "gemm" for the expert on CUDA (short query blocks against the
-    prefix cache; above `GEMM_MAX_SCORES` it hands over to flash, else SDPA), and SDPA everywhere else. A request
-    that cannot be served falls back (flash -> sdpa) and the fallback is recorded in `AttentionPlan.reasons`;
+    "auto" follows the H200 measurements (`attention_backend.jsonl`): for the prefix "flash_large", i.e.
+    FlashAttention-4 at or above `FLASH_MIN_SCORES` score elements where it runs (CUDA sm90/sm100, a half dtype,
+    `flash_attn.cute` importable) and SDPA below; "gemm" for the expert on CUDA (short query blocks against the
+    prefix cache; above `GEMM_MAX_SCORES` it hands over to SDPA); SDPA for the vision tower and everywhere else. A
+    request that cannot be served falls back (flash -> sdpa) and the fallback is recorded in `AttentionPlan.reasons`;
     `AttentionPlan.flash` says which flash kernel runs, or why none does.
 
     Example:
@@ -387,12 +397,13 @@ class AttentionConfig:
             if want == "auto":
                 if site == "expert" and device.type == "cuda":
                     choice = "gemm"
-                elif no_flash is None:
-                    choice = "flash"
+                elif site == "prefix" and no_flash is None:
+                    choice = "flash_large"
                 else:
                     choice = "sdpa"
-                    plan.reasons[site] = f"auto: flash not run ({no_flash}); using sdpa"
-            elif want == "flash" and no_flash is not None:
+                    if site == "prefix":
+                        plan.reasons[site] = f"auto: flash not run ({no_flash}); using sdpa"
+            elif want in ("flash", "flash_large") and no_flash is not None:
                 choice = "sdpa"
                 plan.reasons[site] = f"flash requested but {no_flash}; fell back to sdpa"
             else:

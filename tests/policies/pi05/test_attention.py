@@ -75,7 +75,7 @@ def test_gemm_serves_autograd_with_the_forward_math(count_sdpa):
 def test_auto_plan_uses_gemm_for_the_expert_on_cuda_only():
     cuda = AttentionConfig().resolve(torch.device("cuda"), torch.bfloat16)
     flash = attention.flash_device_status(torch.device("cuda")) is None  # FlashAttention-4 installed and runnable
-    assert cuda.expert == "gemm" and cuda.prefix == ("flash" if flash else "sdpa")
+    assert cuda.expert == "gemm" and cuda.vision == "sdpa" and cuda.prefix == ("flash_large" if flash else "sdpa")
     cpu = AttentionConfig().resolve(torch.device("cpu"), torch.float32)
     assert (cpu.vision, cpu.prefix, cpu.expert) == ("sdpa", "sdpa", "sdpa")
     with pytest.raises(ValueError, match=r"AttentionConfig.expert: expected one of .*'gemm'.*got 'fast'"):

@@ -42,7 +42,7 @@ def test_missing_package_is_named_with_its_install_line():
     if not torch.cuda.is_available():  # the CUDA plan of a machine without the package names it too
         plan = AttentionConfig().resolve(torch.device("cuda"), torch.bfloat16)
         assert (plan.vision, plan.prefix, plan.expert) == ("sdpa", "sdpa", "gemm")
-        assert plan.flash == f"not run: {status}" and plan.reasons["vision"].startswith("auto: flash not run")
+        assert plan.flash == f"not run: {status}" and plan.reasons["prefix"].startswith("auto: flash not run")
 
 
 def test_gemm_hand_over_is_reported():
@@ -50,6 +50,19 @@ def test_gemm_hand_over_is_reported():
     assert served_by("gemm", cpu, torch.float32, 1, 8, 1, 50, 1018, 256) == "gemm"
     assert served_by("gemm", cpu, torch.float32, 64, 8, 1, 50, 1018, 256).startswith("sdpa (gemm:")
     assert served_by("sdpa", cpu, torch.float32, 1, 8, 1, 50, 1018, 256) == "sdpa"
+
+
+def test_flash_large_keeps_small_calls_on_sdpa():
+    cpu, big = torch.device("cpu"), attention.FLASH_MIN_SCORES
+    assert served_by("flash_large", cpu, torch.bfloat16, 1, 8, 1, 50, 1018, 256) == (
+        "sdpa (flash_large: below FLASH_MIN_SCORES)"
+    )
+    large = served_by("flash_large", cpu, torch.bfloat16, big, 1, 1, 1, 1, 256)
+    assert large == "sdpa (flash: device is cpu, not CUDA)"
+    g = torch.Generator().manual_seed(0)
+    q, k, v = (torch.randn(2, n, t, 16, generator=g) for n, t in ((4, 5), (1, 23), (1, 23)))
+    mask = torch.rand(2, 23, generator=g) > 0.3
+    assert torch.equal(attend(q, k, v, mask, 0.25, "flash_large"), attend(q, k, v, mask, 0.25, "sdpa"))
 
 
 @pytest.mark.parametrize("width", [4, 7, 300])

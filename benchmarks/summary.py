@@ -33,7 +33,7 @@ class Table:
 
 TABLES: dict[str, Table] = {
     "policy": Table(
-        ("case", "method", "value_source", "batch", "fused_kernels"),
+        ("case", "method", "value_source", "batch", "fused_kernels", "attention"),
         ("p50_ms", "samples_per_s", "prefix_ms_p50", "denoise_ms_p50", "achieved_tflops", "peak_mem_gib"),
     ),
     "model_eager": Table(("backend", "batch"), ("p50_ms", "peak_mem_gib", "finite", "status")),
@@ -83,7 +83,7 @@ TABLES: dict[str, Table] = {
                            ("mean_abs_log_ratio", "max_abs_log_ratio", "clip_fraction", "approx_kl")),
     "act_public": Table(("setting", "batch"), ("samples_per_s", "p50_ms", "ratio_to_64", "bucket")),
     "ppo_iteration": Table(("config", "env"), ("iteration_s_p50", "rollout_s_p50", "update_s_p50", "sync_s_p50",
-                                              "final_success_deterministic")),
+                                              "final_success_deterministic", "max_abs_diff_non_time_columns")),
 }
 """Case and shown fields per benchmark (add a line with a new benchmark)."""
 

@@ -39,6 +39,7 @@ import torch
 import torch.distributed as dist
 
 from phyai_gym.dataclass_cli import parse_dataclass
+from phyai_gym.distributed import average_gradients_
 from phyai_gym.make import make_env, make_policy
 from phyai_gym.ppo_math import gae, ppo_loss
 from phyai_gym.rollout_transport import recv_rollout, send_rollout
@@ -315,7 +316,7 @@ def _update(args: Args, trainer: Pi05Policy, master: MasterWeights, optimizer: t
     size = batch.batch_size
     step = size // args.num_minibatches
     b_idx = np.arange(size)
-    last, first_kl = (args.update_epochs - 1, (args.num_minibatches - 1) * step), None
+    last, first_kl, flat = (args.update_epochs - 1, (args.num_minibatches - 1) * step), None, None
     for epoch in range(args.update_epochs):
         np.random.shuffle(b_idx)
         for start in range(0, step * args.num_minibatches, step):
@@ -333,11 +334,8 @@ def _update(args: Args, trainer: Pi05Policy, master: MasterWeights, optimizer: t
             if poison and (epoch, start) == last:
                 grads[0].view(-1)[0] = float("nan")  # the fault test: NaN weights after this step
             if group is not None:  # average over the trainers (one flat all-reduce)
-                flat = torch.cat([g.reshape(-1) for g in grads])
-                dist.all_reduce(flat, group=group)
-                flat /= dist.get_world_size(group)
-                for g, part in zip(grads, flat.split([g.numel() for g in grads])):
-                    g.copy_(part.view_as(g))
+                flat = average_gradients_(grads, lambda t: dist.all_reduce(t, group=group), dist.get_world_size(group),
+                                          flat)  # fmt: skip
             torch.nn.utils.clip_grad_norm_(master.parameters(), args.max_grad_norm)
             optimizer.step()
             master.masters_to_model()

@@ -15,7 +15,7 @@ from __future__ import annotations
 import contextlib
 import datetime
 import os
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 
 import torch
@@ -232,17 +232,33 @@ class GradientMean:
         self.group = group
         self._flat: torch.Tensor | None = None
 
-    @torch.no_grad()
     def __call__(self, params: Sequence[torch.Tensor], what: str) -> None:
         """Replaces each ``p.grad`` with its mean over the ranks (params without a gradient are skipped)."""
         grads = [p.grad for p in params if p.grad is not None]
-        if not grads:
-            return
-        numel = sum(g.numel() for g in grads)
-        if self._flat is None or self._flat.numel() != numel or self._flat.device != grads[0].device:
-            self._flat = torch.empty(numel, dtype=torch.float32, device=grads[0].device)
-        torch.cat([g.reshape(-1).float() for g in grads], out=self._flat)
-        self.group.all_reduce_sum(self._flat, what)
-        self._flat.div_(self.group.world_size)
-        for grad, piece in zip(grads, self._flat.split([g.numel() for g in grads]), strict=True):
-            grad.copy_(piece.view_as(grad))
+        reduce_sum = lambda flat: self.group.all_reduce_sum(flat, what)  # noqa: E731
+        self._flat = average_gradients_(grads, reduce_sum, self.group.world_size, self._flat)
+
+
+@torch.no_grad()
+def average_gradients_(
+    grads: Sequence[torch.Tensor],
+    reduce_sum: Callable[[torch.Tensor], object],
+    world_size: int,
+    flat: torch.Tensor | None = None,
+) -> torch.Tensor | None:
+    """Replaces each of `grads` with its mean over `world_size` ranks through one flat float32 buffer.
+
+    `reduce_sum` sums the buffer over the ranks in place (an all-reduce on the group the gradients belong to);
+    `flat` is reused when it fits. Returns the buffer (`flat` unchanged when there are no gradients).
+    """
+    if not grads:
+        return flat
+    numel = sum(g.numel() for g in grads)
+    if flat is None or flat.numel() != numel or flat.device != grads[0].device:
+        flat = torch.empty(numel, dtype=torch.float32, device=grads[0].device)
+    torch.cat([g.reshape(-1).float() for g in grads], out=flat)
+    reduce_sum(flat)
+    flat.div_(world_size)
+    for grad, piece in zip(grads, flat.split([g.numel() for g in grads]), strict=True):
+        grad.copy_(piece.view_as(grad))
+    return flat

@@ -203,10 +203,11 @@ def test_denoise_update_edge_rows_and_learned_std():
     learned = torch.rand(b, h, d, generator=g) * 0.1 + 0.05
     stochastic = torch.tensor([[1.0, 1.0, 1.0], [0.0, 0.0, 1.0], [1.0, 1.0, 1.0]])  # (B, K): row 1 off at 0 and 1
     for i in range(k):
-        for sde_on, learned_on, std in ((1.0, 0.0, None), (0.0, 1.0, learned), (1.0, 0.0, learned), (0.0, 0.0, None)):
+        for sde_on, learned_on, learned_std in ((1.0, 0.0, None), (0.0, 1.0, learned), (1.0, 0.0, learned),
+                                                (0.0, 0.0, None)):
             step = StepInputs(steps.times[i], steps.deltas[i], sigmas[i], stochastic[:, i], torch.tensor(sde_on),
                               torch.tensor(learned_on), torch.tensor(0.25))  # fmt: skip
-            args = (x, v, xi[:, i], step, std, lp)
+            args = (x, v, xi[:, i], step, learned_std, lp)
             with torch.no_grad():
                 got, want = kernels.denoise_update(*args), step_update(*args)
             assert torch.equal(got[0], want[0]), (i, sde_on, learned_on)

@@ -5,8 +5,9 @@
 1. `expert_kernels` rows: CUDA kernels per expert layer-step and per LM layer, with `SchedulerConfig.fused_kernels`
    off and on, at full widths (case (a) geometry, batch 1). A layer's count is exact: the stage is profiled on a
    1-layer and a 2-layer model of the same widths and the difference taken (divided by K for the denoise loop);
-   the per-layer kernel names come with it. The stages run eagerly on the static buffers: the same kernels as the
-   graph replay, and visible to every CUPTI.
+   the per-layer kernel names come with it, and those of the denoise stage outside the layers (per step: the
+   once-per-stage kernels, noise draws and controls, are spread over the K steps). The stages run eagerly on the
+   static buffers: the same kernels as the graph replay, and visible to every CUPTI.
 2. `fused_kernels_check` rows: full-size case (a) chains with the fused kernels against the unfused ones (same
    model, same inputs and seeds), and graph replay against the eager stage with them on.
 3. `policy` rows: `bench_policy.bench_case` for case (a) batch 1 and 64 and case (b) batch 64, off and on.
@@ -79,12 +80,14 @@ def kernel_counts(out: Path | None = None, case_name: str = "a", batch: int = 1)
         prefix_layer = two["prefix"] - one["prefix"]
         per_step = sum(layer_step.values()) / k
         outside = (sum(one["denoise"].values()) - per_step * k) / k  # per denoise step, outside the layers
+        outside_names = one["denoise"] - layer_step  # one stage's kernels outside the layers, by name
         rows += write_rows(BENCH, [{
             "case": case_name, "batch": batch, "fused_kernels": fused,
             "kernels_per_layer_step": per_step,
             "prefix_kernels_per_layer": sum(prefix_layer.values()),
             "denoise_kernels_per_step_outside_layers": outside,
             "layer_step_kernels": {name[:120]: n / k for name, n in layer_step.most_common()},
+            "outside_kernels_per_step": {name[:120]: n / k for name, n in outside_names.most_common()},
             "prefix_layer_kernels": {name[:120]: n for name, n in prefix_layer.most_common()},
             "method": "eager stages on the static buffers, 2-layer minus 1-layer model at full widths",
         }], out)  # fmt: skip

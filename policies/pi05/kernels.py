@@ -1,6 +1,6 @@
 """Fused elementwise kernels for the CUDA hot path (Triton), each beside the plain PyTorch formula it computes.
 
-Three kernels, each replacing a chain of PyTorch kernels and its passes over the activations:
+Four kernels, each replacing a chain of PyTorch kernels and its passes over the activations:
 
 - `geglu(gate, up)` = gelu_tanh(gate) * up: one kernel instead of two (GELU, then the product), 3 instead of 5
   tensor-sizes of traffic. At case (a) batch 64 the LM's GeGLU tensors are (62k, 16384).
@@ -12,22 +12,26 @@ Three kernels, each replacing a chain of PyTorch kernels and its passes over the
   token-major layout and writing q token-major (the "gemm" attention's folded rows are then a free view) and
   k/v straight into their (B, Nkv, T, hd) cache slots. It replaces the layout copy before the half swap, the
   flip, the two products per tensor and the K/V cache copies.
+- `denoise_update(...)`: one Euler step of the sampler (`sampler.step_update`: `transition`, x + std xi,
+  `gaussian_log_prob` and the weighted log-prob accumulation) on the float32 action state: one kernel instead of
+  38 small ones per denoise step. Unlike the three above it is exact, not a re-rounding: see its docstring.
 
-Rounding semantics (what the references below compute, and the kernels up to float32 summation order and fused
-multiply-adds): every input is read in its own dtype and converted to float32; all arithmetic is float32; each
-output is rounded once to its dtype. The only intermediate rounding is the new residual of `add_norm`: it is
-rounded to the compute dtype (it is stored so and the next layer reads it so) and the norm statistics are taken
-of that rounded value, as the unfused code does. The unfused PyTorch code rounds more often (the normalised
-value before the modulation, x * cos before adding the rotated half), so the fused results are at least as close
-to a float32 model; they are not bitwise equal to the unfused ones.
+Rounding semantics of the three layer kernels (what the references below compute, and the kernels up to float32
+summation order and fused multiply-adds): every input is read in its own dtype and converted to float32; all
+arithmetic is float32; each output is rounded once to its dtype. The only intermediate rounding is the new residual
+of `add_norm`: it is rounded to the compute dtype (it is stored so and the next layer reads it so) and the norm
+statistics are taken of that rounded value, as the unfused code does. The unfused PyTorch code rounds more often
+(the normalised value before the modulation, x * cos before adding the rotated half), so the fused results are at
+least as close to a float32 model; they are not bitwise equal to the unfused ones.
 
-Where they run: Triton on CUDA half-precision tensors outside autograd (the rollout path: the eager warm-up
-compiles them before any graph is captured). `fused_path(enabled, x)` is the call sites' test: callers keep their
-unfused PyTorch code for every other case (CPU, float32/float64, autograd, no Triton), which is bit-identical to
-what ran before these kernels existed. With ``TRITON_INTERPRET=1`` set before import, Triton's interpreter runs
-the same kernels on CPU tensors (slow; what the CPU tests use to check them against the references). The
-interpreter (Triton 3.6) truncates float32 -> bfloat16 where the GPU rounds to nearest even, so on CPU the
-kernels agree with the references to one bfloat16 ulp, on the GPU to float32 summation order.
+Where they run: Triton on CUDA half-precision tensors outside autograd (the rollout path: the eager warm-up compiles
+them before any graph is captured); `denoise_update` on the CUDA float32 action state, whatever the model's dtype.
+`fused_path(enabled, x)` (`denoise_serves` for the step kernel) is the call sites' test: callers keep their unfused
+PyTorch code for every other case (CPU, float32/float64 layers, autograd, no Triton), which is bit-identical to what
+ran before these kernels existed. With ``TRITON_INTERPRET=1`` set before import, Triton's interpreter runs the same
+kernels on CPU tensors (slow; what the CPU tests use to check them against the references). The interpreter (Triton
+3.6) truncates float32 -> bfloat16 where the GPU rounds to nearest even, so on CPU the kernels agree with the
+references to one bfloat16 ulp, on the GPU to float32 summation order.
 
 Example:
     >>> import torch
@@ -43,10 +47,15 @@ Example:
 from __future__ import annotations
 
 import importlib.util
+import math
 import os
+from typing import TYPE_CHECKING
 
 import torch
 import torch.nn.functional as F
+
+if TYPE_CHECKING:
+    from .sampler import StepInputs
 
 _HAS_TRITON = importlib.util.find_spec("triton") is not None
 INTERPRETED = _HAS_TRITON and os.environ.get("TRITON_INTERPRET", "") == "1"
@@ -54,9 +63,16 @@ INTERPRETED = _HAS_TRITON and os.environ.get("TRITON_INTERPRET", "") == "1"
 _BLOCK = 1024
 _HALF = (torch.bfloat16, torch.float16)
 
+_FLOAT32 = (torch.float32,)
+_LOG_SQRT_2PI = 0.5 * math.log(2.0 * math.pi)  # sampler.gaussian_log_prob's constant
+# IEEE float32 arithmetic, as PyTorch's elementwise CUDA kernels: no mul+add contraction into FMAs, libdevice
+# without flush-to-zero (the `denoise_update` launch options)
+_EXACT = dict(enable_fp_fusion=False, enable_reflect_ftz=False)
+
 if _HAS_TRITON:  # pragma: no cover - needs a CUDA GPU or the interpreter
     import triton
     import triton.language as tl
+    from triton.language.extra import libdevice
 
     @triton.jit
     def _geglu_kernel(g_ptr, u_ptr, o_ptr, n_cols, g_stride, u_stride, o_stride, BLOCK: tl.constexpr):  # noqa: N803
@@ -145,6 +161,48 @@ if _HAS_TRITON:  # pragma: no cover - needs a CUDA GPU or the interpreter
             _rope_tile(v_src, vs_b, vs_t, vs_h, v_dst, vo_b, vo_t, vo_h, cos, sin, c_b, c_t, b, t0,
                        head - n_q - n_kv, n_tok, hd, False, BLOCK_T, BLOCK_D)  # fmt: skip
 
+    @triton.jit
+    def _denoise_update_kernel(
+        x_ptr, v_ptr, xi_ptr, ls_ptr, lp_ptr, xo_ptr, lpo_ptr,
+        t_ptr, delta_ptr, sigma_ptr, stoch_ptr, sde_ptr, ls_on_ptr, w_ptr,
+        n, row_len, x_b, v_b, xi_b, ls_b, lp_b, stoch_b, log_sqrt_2pi,
+        HAS_LEARNED: tl.constexpr, LIBDEVICE: tl.constexpr, BLOCK: tl.constexpr,  # noqa: N803
+    ):  # fmt: skip
+        # Element (b, j) of the flattened (B, H*D) state; every operation below is one PyTorch kernel of
+        # sampler.step_update, in its order and association (each rounds once, as here: no contraction).
+        offs = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
+        keep = offs < n
+        row = offs // row_len
+        col = offs % row_len
+        x = tl.load(x_ptr + row * x_b + col, mask=keep, other=0.0)
+        v = tl.load(v_ptr + row * v_b + col, mask=keep, other=0.0)
+        xi = tl.load(xi_ptr + row * xi_b + col, mask=keep, other=0.0)
+        stoch = tl.load(stoch_ptr + row * stoch_b, mask=keep, other=0.0)
+        t, delta, sigma = tl.load(t_ptr), tl.load(delta_ptr), tl.load(sigma_ptr)  # read per replay: tables refresh
+        sde_on = tl.load(sde_ptr)
+        # transition: mean = (x - delta v) - shrink x1_hat, std = stochastic (sde_on sqrt(delta) sigma [+ learned])
+        ode_mean = x - delta * v
+        x1_hat = x + (1.0 - t) * v
+        shrink = tl.div_rn(stoch * sde_on * (sigma * sigma) * delta, 2.0 * t)
+        mean = ode_mean - shrink * x1_hat
+        std = sde_on * (tl.sqrt_rn(delta) * sigma)
+        if HAS_LEARNED:
+            std = std + tl.load(ls_on_ptr) * tl.load(ls_ptr + row * ls_b + col, mask=keep, other=0.0)
+        std = stoch * std
+        x_next = mean + std * xi
+        # gaussian_log_prob(x_next, mean, std), 0 where std == 0; then lp + w * element
+        positive = std > 0
+        safe = tl.where(positive, std, 1.0)
+        if LIBDEVICE:
+            log_safe = libdevice.log(safe)  # __nv_logf, the CUDA math library's logf (what torch.log calls)
+        else:
+            log_safe = tl.log(safe)  # the interpreter has no libdevice
+        z = tl.div_rn(x_next - mean, safe)
+        element = tl.where(positive, -log_safe - log_sqrt_2pi - 0.5 * (z * z), 0.0)
+        lp = tl.load(lp_ptr + row * lp_b + col, mask=keep, other=0.0) + tl.load(w_ptr) * element
+        tl.store(xo_ptr + offs, x_next, mask=keep)
+        tl.store(lpo_ptr + offs, lp, mask=keep)
+
 
 def _rows(x: torch.Tensor) -> torch.Tensor | None:
     """`x` as (rows, cols) with unit column stride, without a copy; None when that is not a view."""
@@ -156,26 +214,34 @@ def _rows(x: torch.Tensor) -> torch.Tensor | None:
         return None
 
 
-def triton_usable(x: torch.Tensor) -> bool:
-    """Whether the fused kernels serve this tensor (CUDA, half precision, no autograd)."""
+def triton_usable(x: torch.Tensor, dtypes: tuple[torch.dtype, ...] = _HALF) -> bool:
+    """Whether the fused kernels serve this tensor (CUDA, one of `dtypes` (half precision), no autograd)."""
     return (
         _HAS_TRITON
         and x.is_cuda
-        and x.dtype in _HALF
+        and x.dtype in dtypes
         and not (torch.is_grad_enabled() and x.requires_grad)
     )
 
 
-def _triton_serves(x: torch.Tensor) -> bool:
-    """`triton_usable`, or a half CPU tensor under the interpreter (the CPU tests of the kernels)."""
-    return triton_usable(x) or (
-        INTERPRETED and x.device.type == "cpu" and x.dtype in _HALF and not torch.is_grad_enabled()
+def _triton_serves(x: torch.Tensor, dtypes: tuple[torch.dtype, ...] = _HALF) -> bool:
+    """`triton_usable`, or such a CPU tensor under the interpreter (the CPU tests of the kernels)."""
+    return triton_usable(x, dtypes) or (
+        INTERPRETED and x.device.type == "cpu" and x.dtype in dtypes and not torch.is_grad_enabled()
     )
 
 
-def fused_path(enabled: bool, x: torch.Tensor) -> bool:
-    """The call sites' test: fused kernels requested (`SchedulerConfig.fused_kernels`) and served for `x`."""
-    return enabled and _triton_serves(x)
+def fused_path(enabled: bool, x: torch.Tensor, dtypes: tuple[torch.dtype, ...] = _HALF) -> bool:
+    """The call sites' test: fused kernels requested (`SchedulerConfig.fused_kernels`) and served for `x`.
+
+    `dtypes`: the kernel's input dtypes (half precision for the layer kernels, float32 for `denoise_update`).
+    """
+    return enabled and _triton_serves(x, dtypes)
+
+
+def denoise_serves(enabled: bool, *tensors: torch.Tensor | None) -> bool:
+    """`fused_path` for `denoise_update`: requested, and every given tensor (x, v, learned std) float32 it serves."""
+    return enabled and all(t is None or _triton_serves(t, _FLOAT32) for t in tensors)
 
 
 # ------------------------------------------------------------------------------------------------------ GeGLU
@@ -330,3 +396,57 @@ def qkv_rope(
         cos, sin, c_b, cos.stride(1), t, n_q, n_kv, hd, t_blocks,
         BLOCK_T=block_t, BLOCK_D=triton.next_power_of_2(hd), num_warps=4,
     )  # fmt: skip
+
+
+# ------------------------------------------------------------------------------------- one denoise step's math
+def _batch_rows(t: torch.Tensor, shape: torch.Size) -> tuple[torch.Tensor, int]:
+    """`t` (B, H, D) with each batch row contiguous (a copy where it is not) and that row stride."""
+    if t.shape != shape:
+        raise ValueError(f"denoise_update: expected a {tuple(shape)} tensor, got {tuple(t.shape)}.")
+    if t.stride(-1) != 1 or (shape[1] > 1 and t.stride(1) != shape[2]):
+        t = t.contiguous()
+    return t, t.stride(0)
+
+
+def denoise_update(
+    x: torch.Tensor, v: torch.Tensor, xi: torch.Tensor, step: StepInputs, learned_std: torch.Tensor | None,
+    lp: torch.Tensor,
+) -> tuple[torch.Tensor, torch.Tensor]:  # fmt: skip
+    """`sampler.step_update` in one Triton kernel: (x_{i+1}, lp + w * log N(x_{i+1}; mean, std)), both new tensors.
+
+    x, v, xi (the step's noise, e.g. a `xi[:, i]` view), learned_std and lp: (B, H, D) float32; `step`'s
+    scalars are 1-element float32 tensors on x's device, read by the kernel (views of the step tables, so a
+    captured graph follows their in-place refreshes), its `stochastic` (B,). Callers test `denoise_serves` first.
+
+    Exactness: every operation is the float32 operation of one PyTorch kernel of the reference, in its order
+    and association, each rounded once (no FMA contraction, IEEE division and square root), so x_{i+1} is
+    bitwise the reference's on CUDA. The log-prob's only non-IEEE operation is log: libdevice's logf (the
+    CUDA math library's, which torch.log calls too; max error 1 ulp), so lp is expected bitwise and bounded by
+    one float32 ulp of the log term. Under the interpreter log is numpy's (within an ulp of PyTorch's CPU log).
+    """
+    shape = x.shape
+    b, h, d = shape
+    out_x = torch.empty(shape, dtype=torch.float32, device=x.device)
+    out_lp = torch.empty(shape, dtype=torch.float32, device=x.device)
+    n = x.numel()
+    if n == 0:
+        return out_x, out_lp
+    (x, x_b), (v, v_b), (xi, xi_b), (lp, lp_b) = (_batch_rows(u, shape) for u in (x, v, xi, lp))
+    ls, ls_b = _batch_rows(learned_std, shape) if learned_std is not None else (x, 0)
+    for name in ("t", "delta", "sigma", "sde_on", "learned_std_on", "row_weight"):
+        scalar = getattr(step, name)
+        if scalar.numel() != 1 or scalar.device != x.device or scalar.dtype != torch.float32:
+            raise ValueError(f"denoise_update: {name} must be a 1-element float32 tensor on {x.device}, got "
+                             f"{tuple(scalar.shape)} {scalar.dtype} on {scalar.device}.")  # fmt: skip
+    stochastic = step.stochastic
+    if stochastic.shape != (b,) or stochastic.dtype != torch.float32:
+        raise ValueError(f"denoise_update: stochastic must be ({b},) float32, got {tuple(stochastic.shape)} "
+                         f"{stochastic.dtype}.")  # fmt: skip
+    grid = (triton.cdiv(n, _BLOCK),)
+    _denoise_update_kernel[grid](
+        x, v, xi, ls, lp, out_x, out_lp,
+        step.t, step.delta, step.sigma, stochastic, step.sde_on, step.learned_std_on, step.row_weight,
+        n, h * d, x_b, v_b, xi_b, ls_b, lp_b, stochastic.stride(0), _LOG_SQRT_2PI,
+        HAS_LEARNED=learned_std is not None, LIBDEVICE=not INTERPRETED, BLOCK=_BLOCK, num_warps=4, **_EXACT,
+    )  # fmt: skip
+    return out_x, out_lp

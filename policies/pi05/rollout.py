@@ -130,7 +130,8 @@ def run_denoise_stage(
 ) -> RolloutOutputs:
     """K unrolled expert steps with the rollout math; values from the prefix or the pooled suffix.
 
-    `fused_kernels`: run the expert layers as the fused kernels of `kernels.py` where they serve.
+    `fused_kernels`: run the expert layers and each step's sampler math as the fused kernels of `kernels.py`
+    where they serve.
     """
 
     def velocity_fn(x: torch.Tensor, i: int):
@@ -141,7 +142,7 @@ def run_denoise_stage(
     if model.config.value_source == "suffix" and model.value_head is not None:
         value_fn = model.value_head.forward
     head = model.noise_head.forward if model.noise_head is not None else None
-    result = denoise(velocity_fn, x0, xi, tables.steps, ctrl, head, value_fn)
+    result = denoise(velocity_fn, x0, xi, tables.steps, ctrl, head, value_fn, fused_kernels)
     if result.suffix_values is not None:
         values = result.suffix_values
     elif prefix_value is not None:

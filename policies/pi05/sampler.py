@@ -24,6 +24,7 @@ import torch
 
 from .. import rng
 from ..base import RolloutConfig
+from . import kernels
 
 _LOG_SQRT_2PI = 0.5 * math.log(2.0 * math.pi)
 NO_NOISE_HEAD = (
@@ -198,6 +199,41 @@ def transition(
     return mean, stochastic * std * torch.ones_like(x)
 
 
+@dataclass
+class StepInputs:
+    """One denoise step's table entries and switches, as the step math reads them (views; no copies).
+
+    Attributes:
+        t, delta, sigma: () t_i, Delta_i and sigma_i of the step tables.
+        stochastic: (B,) the step's column of `Controls.stochastic`.
+        sde_on, learned_std_on: () as in `Controls`.
+        row_weight: () the step's log-prob row weight.
+    """
+
+    t: torch.Tensor
+    delta: torch.Tensor
+    sigma: torch.Tensor
+    stochastic: torch.Tensor
+    sde_on: torch.Tensor
+    learned_std_on: torch.Tensor
+    row_weight: torch.Tensor
+
+
+def step_update(
+    x: torch.Tensor, v: torch.Tensor, xi: torch.Tensor, step: StepInputs, learned_std: torch.Tensor | None,
+    lp: torch.Tensor,
+) -> tuple[torch.Tensor, torch.Tensor]:  # fmt: skip
+    """One Euler step (B, H, D): x_{i+1} = mean + std * xi and lp + w * log N(x_{i+1}; mean, std).
+
+    The reference of `kernels.denoise_update`, which computes the same float32 operations in one kernel.
+    """
+    stochastic = step.stochastic[:, None, None]
+    mean, std = transition(x, v, step.t, step.delta, step.sigma, stochastic, step.sde_on, step.learned_std_on,
+                           learned_std)  # fmt: skip
+    x_next = mean + std * xi
+    return x_next, lp + step.row_weight * gaussian_log_prob(x_next, mean, std)
+
+
 VelocityFn = Callable[[torch.Tensor, int], tuple[torch.Tensor, torch.Tensor]]
 """(x (B, H, D) float32, step index i) -> (v (B, H, D) float32, expert output (B, H, We) float32)."""
 
@@ -219,11 +255,13 @@ def denoise(
     ctrl: Controls,
     noise_head: Callable[[torch.Tensor], torch.Tensor] | None,
     suffix_value: Callable[[torch.Tensor], torch.Tensor] | None,
+    fused_kernels: bool = False,
 ) -> RolloutResult:
     """Run K denoise steps from x_0 with per-step noise xi (B, K, H, D); unrolled (graph-friendly).
 
     `suffix_value` maps pooled expert features (B, We) to values (B,); the rollout value is their mean over
-    the K steps (RLinf's definition).
+    the K steps (RLinf's definition). `fused_kernels`: each step's math (`step_update`) as the one Triton kernel
+    `kernels.denoise_update` where it serves (CUDA float32, no autograd); it computes the same float32 operations.
     """
     k = tables.deltas.shape[0]
     sigmas = tables.sigmas(ctrl.noise_level)
@@ -234,12 +272,10 @@ def denoise(
     for i in range(k):
         v, suffix_out = velocity_fn(x, i)
         learned = noise_head(suffix_out) if noise_head is not None else None
-        stoch = ctrl.stochastic[:, i, None, None]
-        mean, std = transition(
-            x, v, tables.times[i], tables.deltas[i], sigmas[i], stoch, ctrl.sde_on, ctrl.learned_std_on, learned
-        )
-        x = mean + std * xi[:, i]
-        lp = lp + ctrl.row_weights[i] * gaussian_log_prob(x, mean, std)
+        step = StepInputs(tables.times[i], tables.deltas[i], sigmas[i], ctrl.stochastic[:, i], ctrl.sde_on,
+                          ctrl.learned_std_on, ctrl.row_weights[i])  # fmt: skip
+        update = kernels.denoise_update if kernels.denoise_serves(fused_kernels, x, v, learned) else step_update
+        x, lp = update(x, v, xi[:, i], step, learned, lp)
         chain.append(x)
         if suffix_value is not None:
             value = suffix_value((suffix_out * ctrl.pool[None, :, None]).sum(dim=1))

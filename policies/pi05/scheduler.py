@@ -82,9 +82,11 @@ class SchedulerConfig:
         camera_sets: declared sets of used camera slots, e.g. ((0, 1),) for LIBERO.
         cuda_graphs: capture graphs on CUDA (False: run eagerly on the static buffers).
         fused_kernels: run the hot path's fused Triton kernels (`kernels.py`: residual add + (ada)RMSNorm, RoPE
-            + K/V cache write) on CUDA in half precision; False runs the unfused PyTorch ops (the A/B baseline and
-            a fallback). Either way graph replay equals the eager stage bitwise; the two settings differ by
-            rounding (the fused kernels round once per kernel). No effect on CPU or in float32.
+            + K/V cache write) on CUDA in half precision, and each denoise step's sampler math as one kernel on
+            the float32 action state (any model dtype; the same float32 operations as the PyTorch ops); False
+            runs the unfused PyTorch ops (the A/B baseline and a fallback). Either way graph replay equals the
+            eager stage bitwise; the two settings differ by rounding in half precision (the layer kernels round
+            once per kernel). No effect on CPU.
     """
 
     max_batch_size: int = 64

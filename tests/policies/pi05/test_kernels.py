@@ -139,3 +139,109 @@ def test_fused_rollout_matches_unfused_tiny_bf16_policy():
     assert torch.equal(a.chains[:, 0], b.chains[:, 0])  # x_0 draws are exact
     assert torch.allclose(a.chains, b.chains, atol=5e-2, rtol=0), (a.chains - b.chains).abs().max()
     assert torch.allclose(a.values, b.values, atol=5e-2, rtol=5e-2), (a.values, b.values)
+
+
+# ------------------------------------------------------------------------------------------- denoise_update
+def _linear_velocity(x: torch.Tensor, i: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """A deterministic stand-in for the expert: v = 0.7 x - 0.2 (i + 1), expert output = x."""
+    return 0.7 * x - 0.2 * (i + 1), x * (i + 1)
+
+
+def _learned_std(out: torch.Tensor) -> torch.Tensor:
+    """A stand-in noise head: std in [0.05, 0.15], elementwise."""
+    return 0.05 + 0.1 * torch.sigmoid(out)
+
+
+def _lp_close(got: torch.Tensor, want: torch.Tensor) -> bool:
+    """Float32 log-probs within a few ulps (the interpreter's log is numpy's, PyTorch's CPU log may differ by 1)."""
+    return bool(((got - want).abs() <= want.abs() * 2**-21 + 2**-21).all())
+
+
+@interpreted
+@pytest.mark.parametrize(
+    ("method", "joint", "noise_level"),
+    [("ode", False, 0.5), ("sde", True, 0.5), ("sde", False, 0.5), ("noise", True, 0.5), ("sde", True, 0.0)],
+)
+@pytest.mark.parametrize("k", [1, 4])
+def test_denoise_update_matches_step_update_through_denoise(method, joint, noise_level, k):
+    """`denoise` with the kernel vs its PyTorch steps: chains bitwise, log-probs to float32 ulps, no NaN.
+
+    Covers t_0 = 1 (x1_hat's 1 - t = 0), K = 1 (t'_0 = 0), sigma = 0 (noise level 0: std 0, log-prob 0),
+    rows without a stochastic step (non-joint SDE with ignore_last), a strided xi[:, i] and stochastic[:, i].
+    """
+    from policies.base import RolloutConfig
+    from policies.pi05.sampler import ControlInputs, StepTables, controls, denoise, draw_noise
+
+    b, h, d = 5, 6, 7
+    seeds, counters = torch.arange(b) + 3, torch.full((b,), 1)
+    opts = RolloutConfig(method=method, num_steps=k, noise_level=noise_level, joint=joint, action_chunk=4,
+                         action_dim=5, ignore_last=method == "sde" and not joint and k > 1)  # fmt: skip
+    ctrl, _ = controls(ControlInputs.from_options(opts, h, d, False, torch.device("cpu")), seeds, counters, k)
+    x0, xi = draw_noise(seeds, counters, k, h, d)
+    head = _learned_std if method == "noise" else None
+    with torch.no_grad():
+        ref = denoise(_linear_velocity, x0, xi, StepTables.build(k), ctrl, head, None)
+        got = denoise(_linear_velocity, x0, xi, StepTables.build(k), ctrl, head, None, fused_kernels=True)
+    assert torch.equal(got.chain, ref.chain)
+    assert torch.isfinite(got.log_prob_elements).all() and torch.isfinite(got.chain).all()
+    assert _lp_close(got.log_prob_elements, ref.log_prob_elements)
+    if method == "ode" or noise_level == 0.0:
+        assert torch.equal(got.log_prob_elements, ref.log_prob_elements)
+
+
+@interpreted
+def test_denoise_update_edge_rows_and_learned_std():
+    """One step, directly: zero-stochastic rows keep lp and move by the ODE mean; learned std only when on."""
+    from policies.pi05.sampler import StepInputs, StepTables, step_update
+
+    g = torch.Generator().manual_seed(5)
+    b, h, d, k = 3, 4, 9, 3
+    steps = StepTables.build(k)
+    sigmas = steps.sigmas(torch.tensor(0.8))
+    x, v, lp = (torch.randn(b, h, d, generator=g) for _ in range(3))
+    xi = torch.randn(b, k, h, d, generator=g)
+    learned = torch.rand(b, h, d, generator=g) * 0.1 + 0.05
+    stochastic = torch.tensor([[1.0, 1.0, 1.0], [0.0, 0.0, 1.0], [1.0, 1.0, 1.0]])  # (B, K): row 1 off at 0 and 1
+    for i in range(k):
+        for sde_on, learned_on, learned_std in ((1.0, 0.0, None), (0.0, 1.0, learned), (1.0, 0.0, learned),
+                                                (0.0, 0.0, None)):
+            step = StepInputs(steps.times[i], steps.deltas[i], sigmas[i], stochastic[:, i], torch.tensor(sde_on),
+                              torch.tensor(learned_on), torch.tensor(0.25))  # fmt: skip
+            args = (x, v, xi[:, i], step, learned_std, lp)
+            with torch.no_grad():
+                got, want = kernels.denoise_update(*args), step_update(*args)
+            assert torch.equal(got[0], want[0]), (i, sde_on, learned_on)
+            assert _lp_close(got[1], want[1]), (i, sde_on, learned_on)
+            if stochastic[1, i] == 0 or sde_on + learned_on == 0:  # no noise: the ODE mean, lp unchanged
+                rows = slice(None) if sde_on + learned_on == 0 else slice(1, 2)
+                assert torch.equal(got[1][rows], lp[rows])
+                assert torch.equal(got[0][rows], (x - steps.deltas[i] * v)[rows])
+
+
+@interpreted
+def test_fused_denoise_update_in_float32_policy(monkeypatch):
+    """A float32 tiny policy with `fused_kernels`: only the denoise kernel serves (once per step); same chains."""
+    from policies.pi05.policy import Pi05Policy, RolloutConfig
+    from policies.pi05.scheduler import SchedulerConfig
+    from tests.policies.pi05.helpers import PROMPT, SLOTS, StandInProcessor, make_inputs, make_model
+
+    model = make_model(0, value_source="suffix")
+    calls = []
+    real = kernels.denoise_update
+
+    def spy(*args):
+        calls.append(args[0].shape)
+        return real(*args)
+
+    monkeypatch.setattr(kernels, "denoise_update", spy)
+    outs = {}
+    for fused in (False, True):
+        sched = SchedulerConfig(max_batch_size=2, num_steps=(3,), camera_sets=(SLOTS,), prompt_buckets=(PROMPT,),
+                                fused_kernels=fused)  # fmt: skip
+        rollout = RolloutConfig(method="sde", joint=True, num_steps=3, action_chunk=4)
+        policy = Pi05Policy(model, StandInProcessor(SLOTS), rollout, sched)
+        outs[fused] = policy.act_inputs(make_inputs(2, seed=4), seeds=[0, 1])
+    assert len(calls) == 3  # the fused run's three steps; the unfused run never calls it
+    a, b = outs[False], outs[True]
+    assert torch.equal(a.chains, b.chains) and torch.equal(a.values, b.values)
+    assert _lp_close(b.log_prob_elements, a.log_prob_elements)

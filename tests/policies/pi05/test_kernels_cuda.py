@@ -2,7 +2,8 @@
 
 Stated bounds: every bfloat16 output of `add_norm` and `qkv_rope` is within one bfloat16 ulp (relative 2^-7) of
 the float32 formula evaluated on the same inputs (one rounding; the float32 summation order may move a value
-across a rounding boundary, hence one ulp rather than half).
+across a rounding boundary, hence one ulp rather than half). `denoise_update` is held to its PyTorch reference
+(`sampler.step_update`): x_{i+1} bitwise, the log-prob within two float32 ulps (its log is libdevice's logf).
 """
 
 from __future__ import annotations
@@ -90,14 +91,14 @@ def test_qkv_rope_matches_float32_formula(batch, tokens, need_q):
         assert _within_ulp(q_out, rope32(q)), _rel_err(q_out, rope32(q))
 
 
-def _policy(model, graphs: bool, fused: bool):
+def _policy(model, graphs: bool, fused: bool, **rollout):
     from policies.pi05.policy import Pi05Policy, RolloutConfig
     from policies.pi05.scheduler import SchedulerConfig
     from tests.policies.pi05.test_scheduler_cuda import _Proc
 
     sched = SchedulerConfig(max_batch_size=8, num_steps=(5,), prompt_buckets=(16, 48, 200), camera_sets=((0, 1, 2),),
                             cuda_graphs=graphs, fused_kernels=fused)  # fmt: skip
-    return Pi05Policy(model, _Proc((0, 1, 2)), RolloutConfig(num_steps=5, action_chunk=4), sched)
+    return Pi05Policy(model, _Proc((0, 1, 2)), RolloutConfig(num_steps=5, action_chunk=4, **rollout), sched)
 
 
 @pytest.mark.parametrize("fused", [True, False])
@@ -124,8 +125,8 @@ def test_fused_kernels_agree_with_unfused_policy():
     assert torch.allclose(fused.values, plain.values, atol=2e-2, rtol=2e-2)
 
 
-def test_fused_kernels_cut_kernels_per_expert_layer_step():
-    """Kernel counts of the eager denoise stage (the graph's kernels): a 2-layer minus a 1-layer tiny model."""
+def _denoise_stage_kernels(depth: int, fused: bool) -> int:
+    """CUDA kernels of one eager denoise stage (K = 5, batch 1; the graph's kernels) of a `depth`-layer tiny model."""
     from collections import Counter
 
     from torch.profiler import ProfilerActivity, profile
@@ -134,25 +135,115 @@ def test_fused_kernels_cut_kernels_per_expert_layer_step():
     from policies.pi05.model import Pi05Model, randomize_parameters_
     from tests.policies.pi05.test_scheduler_cuda import _inputs
 
-    def count(depth: int, fused: bool) -> int:
-        llm = GemmaConfig(width=64, depth=depth, mlp_dim=128, num_heads=4, num_kv_heads=1, head_dim=24)
-        expert = GemmaConfig(width=40, depth=depth, mlp_dim=72, num_heads=4, num_kv_heads=1, head_dim=24)
-        with torch.device("cuda"):
-            model = Pi05Model(Pi05Config.tiny(max_token_len=200, llm=llm, expert=expert))
-        randomize_parameters_(model, 0)
-        policy = _policy(model.set_precision(torch.bfloat16), False, fused)
-        sched = policy.scheduler
-        sched._load(_inputs(1, 48, 40), torch.zeros(1, dtype=torch.int64, device="cuda"),
-                    torch.zeros(1, dtype=torch.int64, device="cuda"), policy.sampling_options(True), 1, 48)  # fmt: skip
-        with torch.no_grad():
-            for _ in range(2):
-                sched._denoise_stage(1, 48, (0, 1, 2), 5)
+    llm = GemmaConfig(width=64, depth=depth, mlp_dim=128, num_heads=4, num_kv_heads=1, head_dim=24)
+    expert = GemmaConfig(width=40, depth=depth, mlp_dim=72, num_heads=4, num_kv_heads=1, head_dim=24)
+    with torch.device("cuda"):
+        model = Pi05Model(Pi05Config.tiny(max_token_len=200, llm=llm, expert=expert))
+    randomize_parameters_(model, 0)
+    policy = _policy(model.set_precision(torch.bfloat16), False, fused)
+    sched = policy.scheduler
+    sched._load(_inputs(1, 48, 40), torch.zeros(1, dtype=torch.int64, device="cuda"),
+                torch.zeros(1, dtype=torch.int64, device="cuda"), policy.sampling_options(True), 1, 48)  # fmt: skip
+    with torch.no_grad():
+        for _ in range(2):
+            sched._denoise_stage(1, 48, (0, 1, 2), 5)
+        torch.cuda.synchronize()
+        with profile(activities=[ProfilerActivity.CUDA]) as prof:
+            sched._denoise_stage(1, 48, (0, 1, 2), 5)
             torch.cuda.synchronize()
-            with profile(activities=[ProfilerActivity.CUDA]) as prof:
-                sched._denoise_stage(1, 48, (0, 1, 2), 5)
-                torch.cuda.synchronize()
-        return sum(Counter(e.name for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA).values())
+    return sum(Counter(e.name for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA).values())
 
-    per_step = {fused: (count(2, fused) - count(1, fused)) / 5 for fused in (False, True)}
+
+def test_fused_kernels_cut_kernels_per_expert_layer_step():
+    """Kernel counts of the eager denoise stage (the graph's kernels): a 2-layer minus a 1-layer tiny model."""
+    counts = {(d, f): _denoise_stage_kernels(d, f) for d in (1, 2) for f in (False, True)}
+    per_step = {f: (counts[2, f] - counts[1, f]) / 5 for f in (False, True)}
     assert per_step[True] <= per_step[False] - 8, per_step
     assert per_step[True] <= 14, per_step
+    # outside the layers: `denoise_update` replaces the 38 kernels of each step's sampler math by one
+    outside = {f: (counts[1, f] - 5 * per_step[f]) / 5 for f in (False, True)}
+    assert outside[True] <= outside[False] - 30, outside
+
+
+def _step_inputs(b: int, k: int, seed: int):
+    """Random (B, H=50, D=32) step inputs at case (a) geometry, K-step tables, a (B, K) stochastic pattern."""
+    from policies.pi05.sampler import StepTables
+
+    g = torch.Generator(device="cuda").manual_seed(seed)
+    h, d = 50, 32
+    x, v, lp = (torch.randn(b, h, d, device="cuda", generator=g) for _ in range(3))
+    xi = torch.randn(b, k, h, d, device="cuda", generator=g)
+    learned = torch.rand(b, h, d, device="cuda", generator=g) * 0.08 + 0.08
+    stochastic = (torch.rand(b, k, device="cuda", generator=g) > 0.3).float()
+    return StepTables.build(k, "cuda"), x, v, xi, learned, stochastic, lp
+
+
+def _ulps(got: torch.Tensor, want: torch.Tensor) -> float:
+    """max |got - want| in float32 ulps of want."""
+    ulp = torch.nextafter(want.abs(), torch.full_like(want, float("inf"))) - want.abs()
+    return ((got - want).abs() / ulp).max().item()
+
+
+@pytest.mark.parametrize("batch", [1, 64])
+@pytest.mark.parametrize(("sde_on", "learned_on", "noise_level"), [(1.0, 0.0, 0.5), (0.0, 1.0, 0.5), (0.0, 0.0, 0.5),
+                                                                    (1.0, 0.0, 0.0)])  # fmt: skip
+def test_denoise_update_equals_step_update(batch, sde_on, learned_on, noise_level):
+    pytest.importorskip("triton")
+    from policies.pi05 import kernels
+    from policies.pi05.sampler import StepInputs, step_update
+
+    k = 10
+    steps, x, v, xi, learned, stochastic, lp = _step_inputs(batch, k, seed=batch)
+    sigmas = steps.sigmas(torch.tensor(noise_level, device="cuda"))
+    on, learned_on_t, w = (torch.tensor(u, device="cuda") for u in (sde_on, learned_on, 1 / 11))
+    with torch.no_grad():
+        for i in range(k):
+            step = StepInputs(steps.times[i], steps.deltas[i], sigmas[i], stochastic[:, i], on, learned_on_t, w)
+            args = (x, v, xi[:, i], step, learned, lp)
+            (gx, glp), (rx, rlp) = kernels.denoise_update(*args), step_update(*args)
+            assert torch.equal(gx, rx), (i, (gx - rx).abs().max().item())
+            assert _ulps(glp, rlp) <= 2.0, (i, _ulps(glp, rlp), (glp != rlp).sum().item())
+            x, lp = rx, rlp
+
+
+def test_denoise_update_in_a_graph_reads_the_tables():
+    """Captured once, replayed after the step tables change in place: the replay follows them, equal to eager."""
+    pytest.importorskip("triton")
+    from policies.pi05 import kernels
+    from policies.pi05.sampler import StepInputs
+
+    steps, x, v, xi, learned, stochastic, lp = _step_inputs(4, 5, seed=7)
+    sigmas = steps.sigmas(torch.tensor(0.5, device="cuda"))
+    on, off, w = (torch.tensor(u, device="cuda") for u in (1.0, 0.0, 0.2))
+    inputs = StepInputs(steps.times[2], steps.deltas[2], sigmas[2], stochastic[:, 2], on, off, w)
+
+    def step():
+        return kernels.denoise_update(x, v, xi[:, 2], inputs, learned, lp)
+
+    with torch.no_grad():
+        side = torch.cuda.Stream()
+        side.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(side):
+            step()
+        torch.cuda.current_stream().wait_stream(side)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            out_x, out_lp = step()
+        for scale in (1.0, 1.7):
+            sigmas.mul_(scale)  # an in-place table refresh
+            graph.replay()
+            want_x, want_lp = step()
+            assert torch.equal(out_x, want_x) and torch.equal(out_lp, want_lp), scale
+
+
+@pytest.mark.parametrize(("method", "joint"), [("sde", True), ("sde", False), ("noise", True), ("ode", False)])
+def test_graph_replay_equals_eager_with_fused_denoise_update(method, joint):
+    from tests.policies.pi05.test_scheduler_cuda import _inputs, _model
+
+    model = _model()
+    graph = _policy(model, True, True, method=method, joint=joint)
+    eager = _policy(model, False, True, method=method, joint=joint)
+    x = _inputs(3, 48, 40, seed=5)
+    a, b = graph.act_inputs(x, seeds=range(3)), eager.act_inputs(x, seeds=range(3))
+    for name in ("chains", "log_prob_elements", "values", "denoise_inds"):
+        assert torch.equal(getattr(a, name), getattr(b, name)), name

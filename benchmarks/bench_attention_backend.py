@@ -1,4 +1,4 @@
-"""Attention alone at every PI0.5 call site and full-size shape: FlashAttention-4 ("flash") against SDPA and "gemm".
+"""Attention alone at every PI0.5 call site and full-size shape: FlashAttention-4, the Triton kernel, SDPA, "gemm".
 
     python -m benchmarks.bench_attention_backend [--out DIR]   # on a GPU; rows -> attention_backend.jsonl
 
@@ -13,7 +13,8 @@ RL setting, 2 cameras + 48 tokens) at batch 1 and 64. One row per (site, case, b
 "failed: <exact error>", ``kernel`` (what `attention.served_by` says ran: a hand-over names its target),
 ``max_rel_err`` = max |out - ref| / max |ref| against the float32 eager reference on the same inputs, and
 ``us_per_call``: median GPU time per call of 20 calls captured in one CUDA graph (``timing`` "cuda_graph"), or between
-CUDA events when capture fails (``timing`` "events", with ``graph_error``).
+CUDA events when capture fails (``timing`` "events", with ``graph_error``). At the expert site and batch 1 the
+Triton kernel is also timed at forced key splits (``splits``; without it the row is `attention_kernel.num_splits`).
 """
 
 from __future__ import annotations
@@ -28,7 +29,8 @@ from benchmarks.bench_expert_attention import graph_time_us
 from benchmarks.common import CASES, cuda_time_ms, run_cli, write_rows
 
 BENCH = "attention_backend"
-BACKENDS = ("flash", "sdpa", "gemm")
+BACKENDS = ("flash", "sdpa", "gemm", "triton")
+SPLITS = (1, 4, 8, 16, 32)
 BATCHES = (1, 64)
 HORIZON = 50
 """Expert queries: the action horizon of PI0.5 (50 action tokens)."""
@@ -67,13 +69,15 @@ def site_inputs(site: str, case: str, batch: int, device: torch.device) -> dict[
 
 
 def _mask_for(backend: str, mask: torch.Tensor | None, shape: dict[str, int]) -> torch.Tensor | None:
-    """The additive mask as the model prebuilds it for `backend` (float32 where "gemm" serves, else bf16)."""
+    """The additive mask as the model prebuilds it for `backend` (float32 where "gemm"/"triton" serve, else bf16)."""
     from policies.pi05 import attention
 
     if mask is None:
         return None
     s = shape
-    gemm = backend == "gemm" and attention.gemm_serves(s["batch"], s["heads"], s["kv_heads"], s["queries"], s["keys"])
+    gemm = backend == "triton" or backend == "gemm" and attention.gemm_serves(
+        s["batch"], s["heads"], s["kv_heads"], s["queries"], s["keys"]
+    )
     return attention.additive_mask(mask, torch.float32 if gemm else torch.bfloat16)
 
 
@@ -120,10 +124,38 @@ def measure(site: str, case: str, batch: int, device: torch.device) -> list[dict
             row["status"] = f"failed: {type(err).__name__}: {err}"[:800]
             row["traceback"] = traceback.format_exc()[-1500:]
         rows.append(row)
+    if site == "expert" and batch == 1 and attention.served_by("triton", device, q.dtype, **shape) == "triton":
+        rows += _triton_splits(x, scale, ref, site, case, batch)
     return rows
 
 
-def run(out: Path | None = None, batches: tuple[int, ...] = BATCHES) -> list[dict[str, Any]]:
+def _triton_splits(x: dict[str, Any], scale: float, ref: torch.Tensor, site: str, case: str, batch: int) -> list:
+    """The Triton kernel at forced key splits (`SPLITS`) on the same inputs."""
+    from policies.pi05 import attention_kernel
+
+    mask = _mask_for("triton", x["mask"], x["shape"])
+    rows = []
+    for splits in SPLITS:
+        row: dict[str, Any] = {"site": site, "case": case, "env_batch": batch, "backend": "triton", "kernel": "triton",
+                               "splits": splits, **x["shape"]}  # fmt: skip
+
+        def call(splits=splits):
+            return attention_kernel.attend(x["q"], x["k"], x["v"], mask, scale, splits)
+
+        with torch.no_grad():
+            out = call()
+            row["max_rel_err"] = float((out.float() - ref).abs().max() / ref.abs().max())
+            row["us_per_call"], row["timing"], row["status"] = graph_time_us(call), "cuda_graph", "ran"
+        rows.append(row)
+    return rows
+
+
+def run(
+    out: Path | None = None,
+    batches: tuple[int, ...] = BATCHES,
+    sites: tuple[str, ...] = ("vision", "prefix", "expert"),
+    cases: tuple[str, ...] = ("a", "b"),
+) -> list[dict[str, Any]]:
     """Every (site, case, batch) row; appends to ``attention_backend.jsonl``."""
     from policies.pi05 import attention
 
@@ -133,8 +165,8 @@ def run(out: Path | None = None, batches: tuple[int, ...] = BATCHES) -> list[dic
     status = attention.flash_device_status(device)
     header = {"site": "all", "backend": "flash", "kernel": attention.flash_kernel_name()}
     rows = write_rows(BENCH, [{**header, "status": "available" if status is None else f"failed: {status}"}], out)
-    for site in ("vision", "prefix", "expert"):
-        for case in CASES:
+    for site in sites:
+        for case in cases:
             for batch in batches:
                 try:
                     measured = measure(site, case, batch, device)

@@ -116,6 +116,13 @@ def run_rollout(out: Path | None = None) -> None:
         bench_case(case, [8, 64], out, method="sde", value_source="prefix", iters=10)
 
 
+def run_targets(out: Path | None = None) -> None:
+    """The speed targets' rows: case (a) batch 1 and 64, case (b) batch 64, and the same work as phyai (1, 32)."""
+    bench_case("a", [1, 64], out, iters=10)
+    bench_case("b", [64], out, iters=10)
+    bench_case("phyai", [1, 32], out, iters=10)
+
+
 def run_quick(out: Path | None = None) -> None:
     """A short re-measure: case (a) batch 1 and 64, case (b) batch 8, 40 and 64."""
     bench_case("a", [1, 64], out, iters=10)

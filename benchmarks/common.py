@@ -34,8 +34,10 @@ RESULTS = ROOT / "benchmarks" / "results"
 CASES: dict[str, dict[str, Any]] = {
     "a": dict(cams=(0, 1, 2), prompt=200, num_steps=10, horizon=50, chunk=50),
     "b": dict(cams=(0, 1), prompt=48, num_steps=5, horizon=10, chunk=5),
+    "phyai": dict(cams=(0, 1, 2), prompt=16, num_steps=10, horizon=50, chunk=50),
 }
-"""The two DESIGN C8 cases: (a) 3 cameras / 200 tokens / K=10 / H=50, (b) the LIBERO RL setting."""
+"""The two DESIGN C8 cases: (a) 3 cameras / 200 tokens / K=10 / H=50, (b) the LIBERO RL setting; and "phyai", the
+seed system's published configuration (its harness's 1-token prompt in the 16-token bucket, 784 prefix tokens)."""
 
 
 # ------------------------------------------------------------------------------------------------- rows

@@ -110,16 +110,20 @@ SECTIONS: dict[str, Section] = {
     "startup": section("benchmarks.bench_startup"),
     "ratio": section("benchmarks.bench_ratio"),
     "policy_quick": section("benchmarks.bench_policy", "run_quick"),
+    "policy_targets": section("benchmarks.bench_policy", "run_targets"),
     "wrapper": section("benchmarks.bench_wrapper", device="cuda", cameras=(3,), iters=10),
     "soak": section("benchmarks.soak_gpu"),
     "processor": section("benchmarks.bench_processor", device="cuda"),
     "profile": profile,
     "kernels": section("benchmarks.bench_kernels"),
+    "kernel_counts": section("benchmarks.bench_kernels", "kernel_counts"),
+    "kernels_agreement": section("benchmarks.bench_kernels", "agreement"),
     "broadcast": broadcast,
     "overlap": section("benchmarks.bench_overlap"),
     "batch_invariance": section("benchmarks.bench_batch_invariance"),
     "ppo": section("benchmarks.bench_ppo"),
     "attention_backend": section("benchmarks.bench_attention_backend"),
+    "attention_expert": section("benchmarks.bench_attention_backend", sites=("expert",)),
 }
 """Section name -> function of the output folder, in the order ``--sections`` defaults to."""
 

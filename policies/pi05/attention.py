@@ -14,6 +14,10 @@ autograd) it hands over to "flash" (FlashAttention-4 where it runs, else SDPA). 
 `evaluate()`) it always serves, with operands upcast to float32 (exact for bf16 values), so the trainer computes its
 scores as the rollout's graphs do.
 
+The "triton" backend is the same folded-row attention as one Triton kernel (`attention_kernel`: an online
+softmax split over the keys, plus a combine kernel at small batches) in place of "gemm"'s five; it serves
+forward-only CUDA half calls with one K/V head and hands every other call to "gemm".
+
 The "flash" backend is FlashAttention-4 (`flash_attn.cute`, the CuTe-DSL kernels of the ``flash-attn-4``
 distribution; see `flash_attn_status`). Key validity reaches it as lengths: the keys are a set (RoPE is already in
 them), so each row's valid keys are moved to the front (a stable scatter computed on the device, no host sync) and
@@ -43,10 +47,12 @@ from dataclasses import dataclass, field
 import torch
 import torch.nn.functional as F
 
+from . import attention_kernel, kernels
+
 MASK_VALUE = -2.3819763e38
 """Additive mask value for disallowed keys (finite, as openpi and LeRobot)."""
 
-BACKENDS = ("eager", "sdpa", "flash", "flash_large", "gemm")
+BACKENDS = ("eager", "sdpa", "flash", "flash_large", "gemm", "triton")
 SITES = ("vision", "prefix", "expert")
 
 
@@ -201,6 +207,33 @@ def _gemm(q, k, v, key_mask, scale):
     return out.view(b, n, t, hd)
 
 
+def triton_shape_status(
+    device: torch.device, dtype: torch.dtype, kv_heads: int, head_dim: int, grad: bool = False
+) -> str | None:
+    """Why "triton" hands a call of this geometry to "gemm", or None when `attention_kernel` runs it."""
+    if not kernels.HAS_TRITON:
+        return "triton is not installed"
+    if device.type != "cuda":
+        return f"device is {device.type}, not CUDA"
+    if dtype not in FLASH_DTYPES:
+        return f"dtype {dtype} (the kernel runs float16/bfloat16)"
+    if grad:
+        return "autograd call (the kernel is forward-only)"
+    if kv_heads != 1:
+        return f"{kv_heads} K/V heads (the kernel folds the query heads of one)"
+    if not 8 <= head_dim <= 256:
+        return f"head_dim {head_dim} (the kernel runs 8..256)"
+    return None
+
+
+def _triton(q, k, v, key_mask, scale):
+    if not attention_kernel.serves(q, k, v):
+        return _gemm(q, k, v, key_mask, scale)
+    if key_mask is not None and key_mask.dtype == torch.bool:
+        key_mask = additive_mask(key_mask, torch.float32)
+    return attention_kernel.attend(q, k, v, key_mask, scale)
+
+
 FLASH_DTYPES = (torch.float16, torch.bfloat16)
 
 
@@ -306,11 +339,16 @@ def served_by(
     head_dim: int,
     grad: bool = False,
 ) -> str:
-    """The kernel a call of this shape runs under `backend`: "eager", "sdpa", "gemm" or the flash kernel name.
+    """The kernel a call of this shape runs: "eager", "sdpa", "gemm", "triton" or the flash kernel name.
 
     A hand-over says why, e.g. ``sdpa (flash: autograd call ...)``. The flash probe is not run here: its result is
     reported once it ran (`flash_probe_result`).
     """
+    if backend == "triton":
+        reason = triton_shape_status(device, dtype, kv_heads, head_dim, grad)
+        if reason is None:
+            return "triton"
+        backend = "gemm"
     if backend == "gemm":
         served = gemm_serves(batch, heads, kv_heads, queries, keys, grad)
         return "gemm" if served else "sdpa (gemm: above GEMM_MAX_SCORES or several K/V heads)"
@@ -351,19 +389,22 @@ def attend(
         return (_flash if large else _sdpa)(q, k, v, key_mask, scale)
     if backend == "gemm":
         return _gemm(q, k, v, key_mask, scale)
+    if backend == "triton":
+        return _triton(q, k, v, key_mask, scale)
     return _eager(q, k, v, key_mask, scale)
 
 
 @dataclass
 class AttentionConfig:
-    """Which backend each call site asks for: "auto", "eager", "sdpa", "flash", "flash_large" or "gemm".
+    """Which backend each call site asks for: "auto", "eager", "sdpa", "flash", "flash_large", "gemm" or "triton".
 
     "auto" follows the H200 measurements (`attention_backend.jsonl`): for the prefix "flash_large", i.e.
     FlashAttention-4 at or above `FLASH_MIN_SCORES` score elements where it runs (CUDA sm90/sm100, a half dtype,
-    `flash_attn.cute` importable) and SDPA below; "gemm" for the expert on CUDA (short query blocks against the
-    prefix cache; above `GEMM_MAX_SCORES` it hands over to SDPA); SDPA for the vision tower and everywhere else. A
-    request that cannot be served falls back (flash -> sdpa) and the fallback is recorded in `AttentionPlan.reasons`;
-    `AttentionPlan.flash` says which flash kernel runs, or why none does.
+    `flash_attn.cute` importable) and SDPA below; for the expert on CUDA "triton" (short query blocks against the
+    prefix cache as one Triton kernel; autograd calls go to "gemm") where triton is installed, else "gemm"; SDPA
+    for the vision tower and everywhere else. A request that cannot be served falls back (flash -> sdpa, triton ->
+    gemm) and the fallback is recorded in `AttentionPlan.reasons`; `AttentionPlan.flash` says which flash kernel
+    runs, or why none does.
 
     Example:
         >>> plan = AttentionConfig(prefix="eager").resolve(torch.device("cpu"), torch.float32)
@@ -396,7 +437,7 @@ class AttentionConfig:
             want = getattr(self, site)
             if want == "auto":
                 if site == "expert" and device.type == "cuda":
-                    choice = "gemm"
+                    choice = "triton" if kernels.HAS_TRITON else "gemm"
                 elif site == "prefix" and no_flash is None:
                     choice = "flash_large"
                 else:

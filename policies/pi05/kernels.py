@@ -57,8 +57,8 @@ import torch.nn.functional as F
 if TYPE_CHECKING:
     from .sampler import StepInputs
 
-_HAS_TRITON = importlib.util.find_spec("triton") is not None
-INTERPRETED = _HAS_TRITON and os.environ.get("TRITON_INTERPRET", "") == "1"
+HAS_TRITON = importlib.util.find_spec("triton") is not None
+INTERPRETED = HAS_TRITON and os.environ.get("TRITON_INTERPRET", "") == "1"
 """Whether Triton's CPU interpreter runs the kernels (TRITON_INTERPRET=1 at import): tests only."""
 _BLOCK = 1024
 _HALF = (torch.bfloat16, torch.float16)
@@ -69,7 +69,7 @@ _LOG_SQRT_2PI = 0.5 * math.log(2.0 * math.pi)  # sampler.gaussian_log_prob's con
 # without flush-to-zero (the `denoise_update` launch options)
 _EXACT = dict(enable_fp_fusion=False, enable_reflect_ftz=False)
 
-if _HAS_TRITON:  # pragma: no cover - needs a CUDA GPU or the interpreter
+if HAS_TRITON:  # pragma: no cover - needs a CUDA GPU or the interpreter
     import triton
     import triton.language as tl
     from triton.language.extra import libdevice
@@ -217,14 +217,14 @@ def _rows(x: torch.Tensor) -> torch.Tensor | None:
 def triton_usable(x: torch.Tensor, dtypes: tuple[torch.dtype, ...] = _HALF) -> bool:
     """Whether the fused kernels serve this tensor (CUDA, one of `dtypes` (half precision), no autograd)."""
     return (
-        _HAS_TRITON
+        HAS_TRITON
         and x.is_cuda
         and x.dtype in dtypes
         and not (torch.is_grad_enabled() and x.requires_grad)
     )
 
 
-def _triton_serves(x: torch.Tensor, dtypes: tuple[torch.dtype, ...] = _HALF) -> bool:
+def triton_serves(x: torch.Tensor, dtypes: tuple[torch.dtype, ...] = _HALF) -> bool:
     """`triton_usable`, or such a CPU tensor under the interpreter (the CPU tests of the kernels)."""
     return triton_usable(x, dtypes) or (
         INTERPRETED and x.device.type == "cpu" and x.dtype in dtypes and not torch.is_grad_enabled()
@@ -236,12 +236,12 @@ def fused_path(enabled: bool, x: torch.Tensor, dtypes: tuple[torch.dtype, ...] =
 
     `dtypes`: the kernel's input dtypes (half precision for the layer kernels, float32 for `denoise_update`).
     """
-    return enabled and _triton_serves(x, dtypes)
+    return enabled and triton_serves(x, dtypes)
 
 
 def denoise_serves(enabled: bool, *tensors: torch.Tensor | None) -> bool:
     """`fused_path` for `denoise_update`: requested, and every given tensor (x, v, learned std) float32 it serves."""
-    return enabled and all(t is None or _triton_serves(t, _FLOAT32) for t in tensors)
+    return enabled and all(t is None or triton_serves(t, _FLOAT32) for t in tensors)
 
 
 # ------------------------------------------------------------------------------------------------------ GeGLU
@@ -316,7 +316,7 @@ def add_norm(
     `store_residual=False` skips writing r (the final norm; r is then returned unwritten). One Triton kernel
     where `fused_path` holds, the reference elsewhere.
     """
-    if not _triton_serves(x) or x.dim() != 3:
+    if not triton_serves(x) or x.dim() != 3:
         return add_norm_reference(x, delta, scale, eps, gate, shift, add_one, out_dtype)
     b, t, w = x.shape
     xr = _rows(x)
@@ -378,7 +378,7 @@ def qkv_rope(
     unit = all(t.stride(-1) == 1 for t in (k, v, k_out, v_out, cos)) and cos.stride() == sin.stride()
     if q is not None:
         unit = unit and q_out is not None and q.stride(-1) == 1 and q_out.stride(-1) == 1
-    if not (_triton_serves(k) and unit):
+    if not (triton_serves(k) and unit):
         qkv_rope_reference(q, k, v, cos, sin, q_out, k_out, v_out)
         return
     b, t, n_kv, hd = k.shape

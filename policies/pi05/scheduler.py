@@ -250,8 +250,19 @@ class Pi05Scheduler:
         self._capture_buckets(cfg.batch_buckets)
 
     def _capture_buckets(self, buckets: Sequence[int]) -> None:
-        """Capture the prefix and denoise graphs of `buckets`, largest first, into the shared pool."""
+        """Capture the prefix and denoise graphs of `buckets`, largest first, into the shared pool.
+
+        The smallest bucket's denoise stages run once eagerly first: the expert attention splits its keys over
+        more programs at small batches (`attention_kernel`), and that kernel must compile outside a capture.
+        """
         cfg = self.config
+        side = torch.cuda.Stream(self.device)
+        side.wait_stream(torch.cuda.current_stream(self.device))
+        with torch.cuda.stream(side):
+            for cams in cfg.camera_sets:
+                for k in cfg.num_steps:
+                    self._denoise_stage(min(buckets), self.prompt_buckets[-1], cams, k)
+        torch.cuda.current_stream(self.device).wait_stream(side)
         try:
             for b in sorted(buckets, reverse=True):
                 for length in self.prompt_buckets:

@@ -3,7 +3,7 @@
 import pytest
 import torch
 
-from policies.pi05 import attention
+from policies.pi05 import attention, kernels
 from policies.pi05.attention import GEMM_MAX_SCORES, AttentionConfig, additive_mask, attend
 from policies.pi05.config import Pi05Config
 from policies.pi05.model import Pi05Model, randomize_parameters_
@@ -72,10 +72,11 @@ def test_gemm_serves_autograd_with_the_forward_math(count_sdpa):
         torch.testing.assert_close(out, attend(q, k, v, mask, 1.0, "eager"), atol=1e-6, rtol=1e-5)
 
 
-def test_auto_plan_uses_gemm_for_the_expert_on_cuda_only():
+def test_auto_plan_uses_the_expert_kernel_on_cuda_only():
     cuda = AttentionConfig().resolve(torch.device("cuda"), torch.bfloat16)
     flash = attention.flash_device_status(torch.device("cuda")) is None  # FlashAttention-4 installed and runnable
-    assert cuda.expert == "gemm" and cuda.vision == "sdpa" and cuda.prefix == ("flash_large" if flash else "sdpa")
+    assert cuda.expert == ("triton" if kernels.HAS_TRITON else "gemm")
+    assert cuda.vision == "sdpa" and cuda.prefix == ("flash_large" if flash else "sdpa")
     cpu = AttentionConfig().resolve(torch.device("cpu"), torch.float32)
     assert (cpu.vision, cpu.prefix, cpu.expert) == ("sdpa", "sdpa", "sdpa")
     with pytest.raises(ValueError, match=r"AttentionConfig.expert: expected one of .*'gemm'.*got 'fast'"):

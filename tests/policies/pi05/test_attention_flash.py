@@ -6,7 +6,7 @@ Nothing here claims the FlashAttention kernel ran: that is `test_attention_flash
 import pytest
 import torch
 
-from policies.pi05 import attention
+from policies.pi05 import attention, kernels
 from policies.pi05.attention import AttentionConfig, attend, served_by
 
 
@@ -41,7 +41,8 @@ def test_missing_package_is_named_with_its_install_line():
     assert status is not None and "flash-attn-4" in status and "phyai-gym[flash]" in status
     if not torch.cuda.is_available():  # the CUDA plan of a machine without the package names it too
         plan = AttentionConfig().resolve(torch.device("cuda"), torch.bfloat16)
-        assert (plan.vision, plan.prefix, plan.expert) == ("sdpa", "sdpa", "gemm")
+        assert (plan.vision, plan.prefix) == ("sdpa", "sdpa")
+        assert plan.expert == ("triton" if kernels.HAS_TRITON else "gemm")
         assert plan.flash == f"not run: {status}" and plan.reasons["prefix"].startswith("auto: flash not run")
 
 
@@ -50,6 +51,19 @@ def test_gemm_hand_over_is_reported():
     assert served_by("gemm", cpu, torch.float32, 1, 8, 1, 50, 1018, 256) == "gemm"
     assert served_by("gemm", cpu, torch.float32, 64, 8, 1, 50, 1018, 256).startswith("sdpa (gemm:")
     assert served_by("sdpa", cpu, torch.float32, 1, 8, 1, 50, 1018, 256) == "sdpa"
+
+
+def test_triton_hand_over_is_reported():
+    cuda, cpu = torch.device("cuda"), torch.device("cpu")
+    expected = "triton" if kernels.HAS_TRITON else "gemm"
+    assert served_by("triton", cuda, torch.bfloat16, 1, 8, 1, 50, 1018, 256) == expected
+    assert served_by("triton", cpu, torch.bfloat16, 1, 8, 1, 50, 1018, 256) == "gemm"  # CPU: the gemm path
+    assert served_by("triton", cuda, torch.bfloat16, 1, 8, 1, 50, 1018, 256, grad=True) == "gemm"  # autograd
+    assert served_by("triton", cuda, torch.bfloat16, 64, 8, 2, 50, 1018, 256).startswith("sdpa (gemm:")
+    if kernels.HAS_TRITON:
+        assert attention.triton_shape_status(cuda, torch.float32, 1, 256) == (
+            "dtype torch.float32 (the kernel runs float16/bfloat16)"
+        )
 
 
 def test_flash_large_keeps_small_calls_on_sdpa():

@@ -245,3 +245,85 @@ def test_fused_denoise_update_in_float32_policy(monkeypatch):
     a, b = outs[False], outs[True]
     assert torch.equal(a.chains, b.chains) and torch.equal(a.values, b.values)
     assert _lp_close(b.log_prob_elements, a.log_prob_elements)
+
+
+# ------------------------------------------------------------------------------------------- expert attention
+def _attention_inputs(b, n, t, s, hd, token_major, seed=0):
+    """bf16 q (B, Nh, T, hd) (token-major in memory or not), one K/V head, an additive mask with invalid keys."""
+    from policies.pi05.attention import additive_mask
+
+    g = torch.Generator().manual_seed(seed)
+    q = torch.randn(b, t, n, hd, generator=g).bfloat16().transpose(1, 2)
+    q = q if token_major else q.contiguous()
+    k, v = (torch.randn(b, 1, s, hd, generator=g).bfloat16() for _ in range(2))
+    valid = torch.rand(b, s, generator=g) > 0.3
+    valid[:, -t:] = True  # the action tokens' own keys
+    return q, k, v, additive_mask(valid, torch.float32)
+
+
+@interpreted
+@pytest.mark.parametrize(("hd", "token_major", "splits"), [(32, True, None), (24, True, 3), (16, False, 1)])
+def test_expert_attention_kernel_matches_float32_softmax(hd, token_major, splits):
+    """Rows not a multiple of the row block, 77 keys (a ragged last key block and range), masked keys, padded
+    head widths: within two bfloat16 ulps of the largest output (the probabilities round once to bfloat16)."""
+    from policies.pi05 import attention_kernel
+
+    q, k, v, mask = _attention_inputs(2, 4, 6, 77, hd, token_major)
+    with torch.no_grad():
+        out = attention_kernel.attend(q, k, v, mask, hd**-0.5, splits)
+        none = attention_kernel.attend(q, k, v, None, hd**-0.5, splits)
+    assert out.shape == q.shape and out.stride() == q.stride()  # the layout of q (token-major stays so)
+    assert near(out, attention_kernel.reference(q, k, v, mask, hd**-0.5), ulps=2)
+    assert near(none, attention_kernel.reference(q, k, v, None, hd**-0.5), ulps=2)
+    # a mask broadcast over the batch reads one row for all
+    with torch.no_grad():
+        shared = attention_kernel.attend(q, k, v, mask[:1], hd**-0.5, splits)
+    assert near(shared, attention_kernel.reference(q, k, v, mask[:1], hd**-0.5), ulps=2)
+
+
+@interpreted
+def test_expert_attention_kernel_key_splits_agree():
+    """One key range per row block and several (the combine kernel) compute the same softmax."""
+    from policies.pi05 import attention_kernel
+
+    q, k, v, mask = _attention_inputs(1, 8, 10, 300, 32, True, seed=2)
+    with torch.no_grad():
+        outs = [attention_kernel.attend(q, k, v, mask, 32**-0.5, splits) for splits in (1, 2, 10)]
+    assert attention_kernel.num_splits(1, 80, 300) == 10  # 2 row blocks, 10 key blocks of 32
+    for out in outs[1:]:
+        assert near(out, outs[0], ulps=1)
+
+
+@interpreted
+def test_triton_backend_hands_autograd_calls_to_gemm():
+    from policies.pi05.attention import attend
+
+    q, k, v, mask = _attention_inputs(2, 4, 6, 77, 32, True)
+    q = q.float().requires_grad_()
+    k, v = k.float(), v.float()
+    out = attend(q, k, v, mask, 32**-0.5, "triton")
+    assert torch.equal(out, attend(q, k, v, mask, 32**-0.5, "gemm")) and out.requires_grad
+
+
+@interpreted
+def test_tiny_bf16_policy_with_the_expert_kernel_matches_gemm():
+    """The scheduler's eager rollout with the expert attention as the Triton kernel and as "gemm" (interpreter)."""
+    from policies.pi05.attention import AttentionConfig
+    from policies.pi05.config import Pi05Config
+    from policies.pi05.model import Pi05Model, randomize_parameters_
+    from policies.pi05.policy import Pi05Policy, RolloutConfig
+    from policies.pi05.scheduler import SchedulerConfig
+    from tests.policies.pi05.helpers import PROMPT, SLOTS, StandInProcessor, make_inputs
+
+    outs = {}
+    for backend in ("gemm", "triton"):
+        model = Pi05Model(Pi05Config.tiny(value_source="prefix"), AttentionConfig(expert=backend))
+        randomize_parameters_(model, 0)
+        model.set_precision(torch.bfloat16).eval()
+        assert model.plan.expert == backend
+        sched = SchedulerConfig(max_batch_size=2, num_steps=(2,), camera_sets=(SLOTS,), prompt_buckets=(PROMPT,))
+        policy = Pi05Policy(model, StandInProcessor(SLOTS), RolloutConfig(num_steps=2, action_chunk=4), sched)
+        outs[backend] = policy.act_inputs(make_inputs(2, seed=4), seeds=[0, 1])
+    a, b = outs["gemm"], outs["triton"]
+    assert torch.equal(a.chains[:, 0], b.chains[:, 0])
+    assert torch.allclose(a.chains, b.chains, atol=5e-2, rtol=0), (a.chains - b.chains).abs().max()

@@ -1,0 +1,228 @@
+"""One Triton kernel for the expert's attention: folded multi-query rows against the prefix cache, split over keys.
+
+The denoise loop's attention is H action tokens x Nh query heads against one K/V head of S = T + H keys (the
+prefix cache and the action tokens' own K/V). Folding the heads that share the K/V head into Nh * H query rows
+(as the "gemm" backend does), one program computes a block of rows over one contiguous range of keys with an
+online softmax (flash-decoding): float32 scores from half operands, the additive key mask added in float32,
+probabilities cast to the value dtype for the second product, float32 accumulation. With one key range per row
+block the program normalises and writes the output itself; with several (small batches, where row blocks alone
+would occupy a few SMs) each writes its float32 partial (sum, max, normaliser) and a second kernel combines them
+in a fixed order. Either way the call is deterministic and graph-capturable, and it replaces the "gemm" path's
+five kernels (scores GEMM, softmax, cast, PV GEMM with its split-K reduce).
+
+Rounding: as "gemm" (`attention._gemm`) up to float32 summation order, except that the probabilities are cast to
+the value dtype before normalisation instead of after (each rounds once, relative error 2^-9 either way).
+
+Where it runs: CUDA half tensors outside autograd with one K/V head and a head width from 8 to 256
+(`serves`); under ``TRITON_INTERPRET=1`` also half CPU tensors (the CPU tests). Everything else is the caller's
+to route ("triton" in `attention.attend` hands it to "gemm").
+
+Example:
+    >>> import torch
+    >>> q, k, v = torch.randn(1, 4, 3, 16), torch.randn(1, 1, 9, 16), torch.randn(1, 1, 9, 16)
+    >>> out = reference(q, k, v, None, 0.25)
+    >>> tuple(out.shape)
+    (1, 4, 3, 16)
+"""
+
+from __future__ import annotations
+
+import torch
+
+from . import kernels
+
+BLOCK_M = 64
+"""Folded query rows per program."""
+BLOCK_N = 32
+"""Keys per inner iteration."""
+TARGET_PROGRAMS = 132
+"""Programs to aim for when splitting the keys (the H200's SM count: one full wave)."""
+
+if kernels.HAS_TRITON:  # pragma: no cover - needs a CUDA GPU or the interpreter
+    import triton
+    import triton.language as tl
+
+    @triton.jit
+    def _attend_block(
+        q, m_i, l_i, acc, k_ptr, v_ptr, m_ptr, block, b, n_keys, scale, k_b, k_s, v_b, v_s, m_b, d, d_ok,
+        HAS_MASK: tl.constexpr, INTERPRET: tl.constexpr, BLOCK_N: tl.constexpr,  # noqa: N803
+    ):  # fmt: skip
+        # One block of BLOCK_N keys folded into the running (max, normaliser, unnormalised sum) of the rows.
+        keys = block * BLOCK_N + tl.arange(0, BLOCK_N)
+        key_ok = keys < n_keys
+        kt = tl.load(k_ptr + b * k_b + keys[None, :] * k_s + d[:, None], mask=key_ok[None, :] & d_ok[:, None],
+                     other=0.0)  # fmt: skip
+        if INTERPRET:  # the interpreter's tl.dot misreads bfloat16; half products are exact in float32
+            kt = kt.to(tl.float32)
+        s = tl.dot(q, kt) * scale  # (BLOCK_M, BLOCK_N) float32
+        if HAS_MASK:
+            s = s + tl.load(m_ptr + b * m_b + keys, mask=key_ok, other=0.0).to(tl.float32)[None, :]
+        s = tl.where(key_ok[None, :], s, float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(s, axis=1))
+        alpha = tl.exp(m_i - m_new)
+        p = tl.exp(s - m_new[:, None])
+        vt = tl.load(v_ptr + b * v_b + keys[:, None] * v_s + d[None, :], mask=key_ok[:, None] & d_ok[None, :],
+                     other=0.0)  # fmt: skip
+        pv = p.to(vt.dtype)
+        if INTERPRET:
+            pv, vt = pv.to(tl.float32), vt.to(tl.float32)
+        return m_new, l_i * alpha + tl.sum(p, axis=1), acc * alpha[:, None] + tl.dot(pv, vt)
+
+    @triton.jit(do_not_specialize=["n_keys", "iters", "splits", "m_b"])
+    def _attend_split_kernel(
+        q_ptr, k_ptr, v_ptr, m_ptr, o_ptr, po_ptr, pm_ptr, pl_ptr,
+        rows, inner, n_keys, iters, splits, scale, q_b, q_outer, q_inner, k_b, k_s, v_b, v_s, m_b, o_b,
+        HAS_MASK: tl.constexpr, INTERPRET: tl.constexpr,  # noqa: N803
+        BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, D: tl.constexpr, HD: tl.constexpr,  # noqa: N803
+    ):  # fmt: skip
+        # Program (row block, key range, batch row). Row r of the folded queries is (r // inner, r % inner) in
+        # q's (outer, inner) dimensions: (token, head) when q is token-major, (head, token) otherwise. Shape-
+        # dependent sizes are runtime values (not specialised): one compiled kernel serves every batch bucket.
+        pid_m, pid_s, b = tl.program_id(0), tl.program_id(1), tl.program_id(2).to(tl.int64)
+        r = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+        d = tl.arange(0, D)  # the head width HD padded to a power of two (zeros beyond it)
+        d_ok = d < HD
+        row_ok = r < rows
+        q_rows = b * q_b + (r // inner) * q_outer + (r % inner) * q_inner
+        q = tl.load(q_ptr + q_rows[:, None] + d[None, :], mask=row_ok[:, None] & d_ok[None, :], other=0.0)
+        if INTERPRET:
+            q = q.to(tl.float32)
+        m_i = tl.full((BLOCK_M,), float("-inf"), tl.float32)
+        l_i = tl.zeros((BLOCK_M,), tl.float32)
+        acc = tl.zeros((BLOCK_M, D), tl.float32)
+        first = pid_s * iters  # this range's first key block; only the last range is ragged
+        if INTERPRET:  # the interpreter runs no `for` over a runtime bound
+            i = 0
+            while i < iters:
+                m_i, l_i, acc = _attend_block(q, m_i, l_i, acc, k_ptr, v_ptr, m_ptr, first + i, b, n_keys, scale,
+                                              k_b, k_s, v_b, v_s, m_b, d, d_ok, HAS_MASK, INTERPRET, BLOCK_N)
+                i += 1
+        else:
+            for i in range(0, iters):
+                m_i, l_i, acc = _attend_block(q, m_i, l_i, acc, k_ptr, v_ptr, m_ptr, first + i, b, n_keys, scale,
+                                              k_b, k_s, v_b, v_s, m_b, d, d_ok, HAS_MASK, INTERPRET, BLOCK_N)
+        if splits > 1:  # float32 partials (B, splits, rows[, HD]) for the combine kernel
+            part = (b * splits + pid_s) * rows + r
+            tl.store(po_ptr + part[:, None] * HD + d[None, :], acc, mask=row_ok[:, None] & d_ok[None, :])
+            tl.store(pm_ptr + part, m_i, mask=row_ok)
+            tl.store(pl_ptr + part, l_i, mask=row_ok)
+        else:
+            out = acc / l_i[:, None]
+            tl.store(o_ptr + b * o_b + r[:, None] * HD + d[None, :], out.to(o_ptr.dtype.element_ty),
+                     mask=row_ok[:, None] & d_ok[None, :])  # fmt: skip
+
+    @triton.jit(do_not_specialize=["splits"])
+    def _attend_combine_kernel(
+        po_ptr, pm_ptr, pl_ptr, o_ptr, rows, splits, o_b,
+        BLOCK_M: tl.constexpr, D: tl.constexpr, HD: tl.constexpr,  # noqa: N803
+    ):  # fmt: skip
+        # Program (row block, batch row): the key ranges' partials weighted by exp(m_s - max_s m_s), in order.
+        pid_m, b = tl.program_id(0), tl.program_id(1).to(tl.int64)
+        r = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+        d = tl.arange(0, D)
+        row_ok = r < rows
+        ok = row_ok[:, None] & (d < HD)[None, :]
+        m = tl.full((BLOCK_M,), float("-inf"), tl.float32)
+        s = 0
+        while s < splits:
+            m = tl.maximum(m, tl.load(pm_ptr + (b * splits + s) * rows + r, mask=row_ok, other=0.0))
+            s += 1
+        num = tl.zeros((BLOCK_M, D), tl.float32)
+        den = tl.zeros((BLOCK_M,), tl.float32)
+        s = 0
+        while s < splits:
+            part = (b * splits + s) * rows + r
+            w = tl.exp(tl.load(pm_ptr + part, mask=row_ok, other=0.0) - m)
+            den += w * tl.load(pl_ptr + part, mask=row_ok, other=0.0)
+            num += w[:, None] * tl.load(po_ptr + part[:, None] * HD + d[None, :], mask=ok, other=0.0)
+            s += 1
+        out = num / tl.where(row_ok, den, 1.0)[:, None]
+        tl.store(o_ptr + b * o_b + r[:, None] * HD + d[None, :], out.to(o_ptr.dtype.element_ty), mask=ok)
+
+
+def serves(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> bool:
+    """Whether `attend` runs this call: CUDA half (or the interpreter), no autograd, one K/V head, 8..256 wide."""
+    hd = q.shape[-1]
+    needs_grad = torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad)
+    return (
+        kernels.triton_serves(q)
+        and not needs_grad
+        and k.shape[1] == 1
+        and k.dtype == v.dtype == q.dtype
+        and 8 <= hd <= 256
+        and q.stride(-1) == k.stride(-1) == v.stride(-1) == 1
+    )
+
+
+def num_splits(batch: int, rows: int, keys: int) -> int:
+    """Key ranges per row block: enough programs for one wave (`TARGET_PROGRAMS`), at most one per key block."""
+    programs = batch * _cdiv(rows, BLOCK_M)
+    return max(1, min(_cdiv(keys, BLOCK_N), TARGET_PROGRAMS // programs))
+
+
+def _cdiv(a: int, b: int) -> int:
+    """Ceiling division."""
+    return -(-a // b)
+
+
+def attend(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    key_mask: torch.Tensor | None,
+    scale: float,
+    splits: int | None = None,
+) -> torch.Tensor:
+    """Attention of q (B, Nh, T, hd) over one K/V head (B, 1, S, hd); `key_mask` additive (B or 1, 1, 1, S) or None.
+
+    Returns (B, Nh, T, hd) in q's dtype, laid out as q (a token-major q gives a token-major result, whose
+    o-projection reshape is free). `splits` overrides the number of key ranges (`num_splits`; benchmarks).
+    """
+    b, n, t, hd = q.shape
+    s = k.shape[2]
+    token_major = q.stride(1) < q.stride(2)
+    inner = n if token_major else t
+    q_outer, q_inner = (q.stride(2), q.stride(1)) if token_major else (q.stride(1), q.stride(2))
+    rows = n * t
+    width = max(16, 1 << (hd - 1).bit_length())  # the head width as a power of two
+    out = torch.empty(b, rows, hd, dtype=q.dtype, device=q.device)
+    if key_mask is not None:
+        if key_mask.dtype == torch.bool:
+            raise TypeError("attention_kernel.attend: key_mask must be an additive mask (attention.additive_mask)")
+        mask = key_mask.reshape(key_mask.shape[0], s)
+        m_b = mask.stride(0) if mask.shape[0] > 1 else 0
+        assert mask.stride(1) == 1
+    else:
+        mask, m_b = q.new_empty(1), 0  # never read
+    splits = splits or num_splits(b, rows, s)
+    iters = _cdiv(_cdiv(s, BLOCK_N), splits)  # key blocks per range
+    splits = _cdiv(_cdiv(s, BLOCK_N), iters)
+    if splits > 1:
+        part_o = torch.empty(b, splits, rows, hd, dtype=torch.float32, device=q.device)
+        part_m = torch.empty(b, splits, rows, dtype=torch.float32, device=q.device)
+        part_l = torch.empty_like(part_m)
+    else:
+        part_o, part_m, part_l = (torch.empty(1, dtype=torch.float32, device=q.device) for _ in range(3))  # unused
+    m_blocks = _cdiv(rows, BLOCK_M)
+    _attend_split_kernel[(m_blocks, splits, b)](
+        q, k, v, mask, out, part_o, part_m, part_l,
+        rows, inner, s, iters, splits, scale, q.stride(0), q_outer, q_inner, k.stride(0), k.stride(2), v.stride(0),
+        v.stride(2), m_b, out.stride(0), HAS_MASK=key_mask is not None, INTERPRET=kernels.INTERPRETED,
+        BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N, D=width, HD=hd, num_warps=8 if width >= 128 else 4, num_stages=2,
+    )  # fmt: skip
+    if splits > 1:
+        _attend_combine_kernel[(m_blocks, b)](part_o, part_m, part_l, out, rows, splits, out.stride(0),
+                                              BLOCK_M=BLOCK_M, D=width, HD=hd, num_warps=4)  # fmt: skip
+    if token_major:
+        return out.view(b, t, n, hd).transpose(1, 2)
+    return out.view(b, n, t, hd)
+
+
+def reference(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, key_mask: torch.Tensor | None, scale: float
+) -> torch.Tensor:
+    """What `attend` computes, in float32 PyTorch: softmax(scale q k^T + mask) v over the shared K/V head."""
+    scores = torch.einsum("bntd,bsd->bnts", q.float(), k[:, 0].float()) * scale
+    if key_mask is not None:
+        scores = scores + key_mask.float().reshape(key_mask.shape[0], 1, 1, -1)
+    return torch.einsum("bnts,bsd->bntd", torch.softmax(scores, dim=-1), v[:, 0].float())

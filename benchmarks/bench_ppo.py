@@ -1,6 +1,7 @@
 """The PPO update at full size (DESIGN C9): update throughput, update-0 ratio, act() across batch sizes, iteration.
 
     python -m benchmarks.bench_ppo [--out DIR] [--which update ratio act iteration]
+    python -m benchmarks.bench_ppo [--out DIR] --seeds 1 2 3 4      # `seeds` only (not in the default set)
 
 LIBERO RL setting: pi05_base geometry, 2 cameras, 48-token prompt, K=5 joint flow-SDE, H=10, C=5, A=7, prefix
 values, trainable = expert, random weights (every weight randomised). Rows go to <bench>.jsonl (results/ or
@@ -12,11 +13,15 @@ DIR):
   update0_ratio  |log pi_trainer - log pi_rollout| at update 0 over a batch of 64 graph-rollout samples
   act_public     act() samples/s through the public processor at N = 8..64 with each N declared
   ppo_iteration  examples/ppo_pi05.py --config base --device cuda on the target task (median iteration, split)
+  ppo_seeds      `seeds`: that run for several seeds at once, one spawned process each on the one GPU (each also
+                 a ppo_iteration row with "seed" and "concurrent_runs", its timings shared-GPU ones); the final
+                 success rates per seed and their means
 """
 
 from __future__ import annotations
 
 import argparse
+import sys
 import tempfile
 import time
 import traceback
@@ -250,39 +255,206 @@ def bench_act(out: Path, device: str = "cuda", sizes=(8, 16, 24, 40, 48, 56, 64)
     policy.close()
 
 
-def bench_iteration(out: Path, iterations: int = 16, flags: tuple[str, ...] = ()) -> None:
-    """The PPO example in this process with extra `flags` (its own CSV and plot go to DIR)."""
+def _iteration_row(
+    csv: Path, iterations: int, flags: tuple[str, ...], config: str, device: str, extra: tuple[str, ...] = ()
+) -> dict:
+    """One run of the PPO example in this process (`flags`, then `extra`, after the defaults); its ppo_iteration
+    row, "flags" naming `flags` only."""
     import runpy
 
     example = runpy.run_path(str(ROOT / "examples" / "ppo_pi05.py"))
-    args = example["parse_args"](["--config", "base", "--device", "cuda", "--total-iterations", str(iterations),
-                                  "--csv", str((out or Path(tempfile.mkdtemp())) / "ppo_iteration.csv"), *flags])
+    args = example["parse_args"](["--config", config, "--device", device, "--total-iterations", str(iterations),
+                                  "--csv", str(csv), *flags, *extra])  # fmt: skip
     t0 = time.perf_counter()
     result = example["train"](args)
     curve = result["curve"]
     split = {k: float(np.median([r[f"time_{k}"] for r in curve])) for k in ("rollout", "train", "sync")}
-    _row(out, {"bench": "ppo_iteration", "config": "base", "env": "target", "flags": " ".join(flags),
-               "seed": args.seed, "num_envs": args.num_envs,
-               "T": args.num_steps, "epochs": args.update_epochs, "minibatches": args.num_minibatches,
-               "iterations": len(curve), "iteration_s_p50": float(np.median([r["time_rollout"] + r["time_train"]
-                                                                            + r["time_sync"] for r in curve])),
-               "rollout_s_p50": split["rollout"], "update_s_p50": split["train"], "sync_s_p50": split["sync"],
-               "success_first": curve[0]["success_rate"], "success_last": curve[-1]["success_rate"],
-               "final_success_stochastic": result["final"]["stochastic"],
-               "final_success_deterministic": result["final"]["deterministic"], "wall_s": time.perf_counter() - t0,
-               "clipfrac_first": curve[0]["clipfrac"], "approx_kl_first": curve[0]["approx_kl_first"]})
+    return {
+        "bench": "ppo_iteration",
+        "config": config,
+        "env": args.env,
+        "flags": " ".join(flags),
+        "seed": args.seed,
+        "num_envs": args.num_envs,
+        "T": args.num_steps,
+        "epochs": args.update_epochs,
+        "minibatches": args.num_minibatches,
+        "iterations": len(curve),
+        "iteration_s_p50": float(np.median([r["time_rollout"] + r["time_train"] + r["time_sync"] for r in curve])),
+        "rollout_s_p50": split["rollout"],
+        "update_s_p50": split["train"],
+        "sync_s_p50": split["sync"],
+        "success_first": curve[0]["success_rate"],
+        "success_last": curve[-1]["success_rate"],
+        "final_success_stochastic": result["final"]["stochastic"],
+        "final_success_deterministic": result["final"]["deterministic"],
+        "eval_episodes": args.eval_episodes,
+        "wall_s": time.perf_counter() - t0,
+        "clipfrac_first": curve[0]["clipfrac"],
+        "approx_kl_first": curve[0]["approx_kl_first"],
+    }
 
 
-WHICH = {"update": bench_update, "ratio": bench_ratio, "act": bench_act, "iteration": bench_iteration}
+def bench_iteration(
+    out: Path, iterations: int = 16, flags: tuple[str, ...] = (), config: str = "base", device: str = "cuda"
+) -> None:
+    """The PPO example in this process with extra `flags` (its own CSV and plot go to DIR)."""
+    csv = (out or Path(tempfile.mkdtemp())) / "ppo_iteration.csv"
+    _row(out, _iteration_row(csv, iterations, tuple(flags), config, device))
 
 
-def run(out: Path | None = None, which=tuple(WHICH)) -> None:
-    """Every measurement in `which` (the `ppo` section of gpu_suite.py); one failing does not lose the others."""
+def _seed_child(
+    work: str, seed: int, iterations: int, flags: tuple[str, ...], config: str, device: str, concurrent: int
+) -> None:
+    """A spawned child of `bench_seeds`: one run with ``--seed seed``; its stdout and stderr go to
+    ``work/ppo_seed<seed>.log``, its row (or an error row) to ``work/ppo_seed<seed>.json`` for the parent."""
+    import json
+    import os
+
+    from benchmarks.common import environment
+
+    work_dir = Path(work)
+    with (work_dir / f"ppo_seed{seed}.log").open("w") as log:
+        os.dup2(log.fileno(), 1)
+        os.dup2(log.fileno(), 2)
+        extra = ("--seed", str(seed))
+        if device != "cpu" and "--threads" not in flags:  # the host's cores shared between the runs
+            cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+            extra += ("--threads", str(max(1, cores // concurrent)))
+        try:
+            row = _iteration_row(work_dir / f"ppo_seed{seed}.csv", iterations, flags, config, device, extra)
+        except BaseException as err:  # noqa: BLE001 - the parent records it
+            traceback.print_exc()
+            row = {
+                "bench": "ppo_iteration_error",
+                "flags": " ".join(flags),
+                "error": f"{type(err).__name__}: {err}"[:2000],
+                "traceback": traceback.format_exc()[-4000:],
+            }
+        row.update(seed=seed, concurrent_runs=concurrent)
+        row = {**environment(), **row}  # this process's GPU and threads, not the parent's
+        tmp = work_dir / f"ppo_seed{seed}.json.tmp"
+        tmp.write_text(json.dumps(row))
+        tmp.replace(work_dir / f"ppo_seed{seed}.json")
+        sys.stdout.flush()
+
+
+def bench_seeds(
+    out: Path | None,
+    seeds=(1, 2, 3, 4),
+    flags: tuple[str, ...] = (),
+    iterations: int = 16,
+    config: str = "base",
+    device: str = "cuda",
+    timeout_s: float | None = None,
+) -> dict:
+    """`bench_iteration` for every seed at once, one spawned process per seed sharing the device.
+
+    Each child runs the example in process with ``--seed S`` after `flags` (its CSV, plot and log go to
+    ``DIR/ppo_seed<S>.*``, or a temporary folder when `out` is None) and hands its row back through a JSON file;
+    the parent alone appends the ppo_iteration rows (``seed``, ``concurrent_runs`` = len(seeds): the timings are
+    shared-GPU ones), an error row for a child that failed, died or ran past `timeout_s` (then it is
+    terminated), and one ppo_seeds row: the final success rates per seed and their means over the seeds that
+    finished. Returns that ppo_seeds row.
+    """
+    import json
+    import multiprocessing
+
+    seeds, flags = [int(s) for s in seeds], tuple(flags)
+    if len(set(seeds)) != len(seeds) or not seeds:
+        raise ValueError(f"seeds: expected distinct seeds, got {seeds!r}.")
+    work = Path(out) if out is not None else Path(tempfile.mkdtemp(prefix="ppo_seeds_"))
+    work.mkdir(parents=True, exist_ok=True)
+    for seed in seeds:
+        (work / f"ppo_seed{seed}.json").unlink(missing_ok=True)
+    ctx = multiprocessing.get_context("spawn")
+    children = {
+        seed: ctx.Process(
+            target=_seed_child,
+            name=f"ppo_seed{seed}",
+            args=(str(work), seed, iterations, flags, config, device, len(seeds)),
+        )
+        for seed in seeds
+    }
+    start = time.perf_counter()
+    for child in children.values():
+        child.start()
+    rows = {}
+    for seed, child in children.items():
+        child.join(None if timeout_s is None else max(0.0, timeout_s - (time.perf_counter() - start)))
+        timed_out = child.is_alive()
+        if timed_out:  # past the deadline (or hanging after its row): end it
+            child.terminate()
+            child.join(10)
+            if child.is_alive():
+                child.kill()
+                child.join(10)
+        path = work / f"ppo_seed{seed}.json"
+        if path.exists():
+            rows[seed] = json.loads(path.read_text())
+            path.unlink()  # the row goes to ppo_iteration.jsonl below
+        else:
+            why = f"ran past timeout_s={timeout_s}" if timed_out else "died"
+            log = work / f"ppo_seed{seed}.log"
+            rows[seed] = {
+                "bench": "ppo_iteration_error",
+                "flags": " ".join(flags),
+                "seed": seed,
+                "concurrent_runs": len(seeds),
+                "error": f"child {why} (exit code {child.exitcode}) after "
+                f"{time.perf_counter() - start:.0f} s without a row",
+                "log_tail": log.read_text()[-4000:] if log.exists() else "",
+            }
+        print(
+            f"ppo_seeds: seed {seed} {rows[seed]['bench']} "
+            f"deterministic {rows[seed].get('final_success_deterministic')}",
+            flush=True,
+        )
+        _row(out, dict(rows[seed]))
+    done = [s for s in seeds if rows[s]["bench"] == "ppo_iteration"]
+    finals = {mode: [rows[s].get(f"final_success_{mode}") for s in seeds] for mode in ("deterministic", "stochastic")}
+    summary = {
+        "bench": "ppo_seeds",
+        "config": config,
+        "device": device,
+        "flags": " ".join(flags),
+        "seeds": seeds,
+        "iterations": iterations,
+        "final_success_deterministic": finals["deterministic"],
+        "mean_deterministic": float(np.mean([rows[s]["final_success_deterministic"] for s in done])) if done else None,
+        "final_success_stochastic": finals["stochastic"],
+        "mean_stochastic": float(np.mean([rows[s]["final_success_stochastic"] for s in done])) if done else None,
+        "episodes_each": rows[done[0]]["eval_episodes"] if done else None,
+        "concurrent_runs": len(seeds),
+        "failed_seeds": [s for s in seeds if s not in done],
+        "wall_s": time.perf_counter() - start,
+    }
+    _row(out, dict(summary))
+    return summary
+
+
+WHICH = {
+    "update": bench_update,
+    "ratio": bench_ratio,
+    "act": bench_act,
+    "iteration": bench_iteration,
+    "seeds": bench_seeds,
+}
+DEFAULT = ("update", "ratio", "act", "iteration")
+"""What `run` (the gpu_suite `ppo` section) measures by default: not "seeds" (4 concurrent full runs)."""
+
+
+def run(out: Path | None = None, which=DEFAULT, seeds=None) -> None:
+    """Every measurement in `which` (the `ppo` section of gpu_suite.py); one failing does not lose the others.
+    `seeds` are "seeds"'s (None: its default)."""
     if out is not None:
         out.mkdir(parents=True, exist_ok=True)
     for name in which:
         try:
-            WHICH[name](out)
+            if name == "seeds" and seeds is not None:
+                bench_seeds(out, seeds=seeds)
+            else:
+                WHICH[name](out)
         except Exception as err:  # noqa: BLE001
             _row(out, {"bench": f"ppo_{name}_error", "error": f"{type(err).__name__}: {err}"[:2000]})
             traceback.print_exc()
@@ -291,9 +463,15 @@ def run(out: Path | None = None, which=tuple(WHICH)) -> None:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--out", type=Path, default=None, help="folder for the JSONL files (default: results/)")
-    parser.add_argument("--which", nargs="+", default=list(WHICH), choices=list(WHICH))
+    parser.add_argument(
+        "--which", nargs="+", default=None, choices=list(WHICH), help=f"default: {' '.join(DEFAULT)}, or seeds"
+    )
+    parser.add_argument(
+        "--seeds", nargs="+", type=int, default=None, help="run `seeds` with these seeds at once (default: 1 2 3 4)"
+    )
     args = parser.parse_args()
-    run(args.out, args.which)
+    which = args.which if args.which is not None else ["seeds"] if args.seeds else list(DEFAULT)
+    run(args.out, which, args.seeds)
 
 
 if __name__ == "__main__":

@@ -84,6 +84,9 @@ TABLES: dict[str, Table] = {
     "act_public": Table(("setting", "batch"), ("samples_per_s", "p50_ms", "ratio_to_64", "bucket")),
     "ppo_iteration": Table(("config", "env"), ("iteration_s_p50", "rollout_s_p50", "update_s_p50", "sync_s_p50",
                                               "final_success_deterministic", "max_abs_diff_non_time_columns")),
+    "ppo_seeds": Table(("config", "flags", "iterations", "seeds"),
+                       ("mean_deterministic", "final_success_deterministic", "mean_stochastic", "episodes_each",
+                        "concurrent_runs", "failed_seeds")),
 }
 """Case and shown fields per benchmark (add a line with a new benchmark)."""
 

@@ -14,7 +14,8 @@ RL setting, 2 cameras + 48 tokens) at batch 1 and 64. One row per (site, case, b
 ``max_rel_err`` = max |out - ref| / max |ref| against the float32 eager reference on the same inputs, and
 ``us_per_call``: median GPU time per call of 20 calls captured in one CUDA graph (``timing`` "cuda_graph"), or between
 CUDA events when capture fails (``timing`` "events", with ``graph_error``). At the expert site and batch 1 the
-Triton kernel is also timed at forced key splits (``splits``; without it the row is `attention_kernel.num_splits`).
+Triton kernel is also timed at forced key splits and block widths (``splits``, ``block_n``; rows without them
+are `attention_kernel`'s defaults).
 """
 
 from __future__ import annotations
@@ -135,12 +136,12 @@ def _triton_splits(x: dict[str, Any], scale: float, ref: torch.Tensor, site: str
 
     mask = _mask_for("triton", x["mask"], x["shape"])
     rows = []
-    for splits in SPLITS:
+    for splits, block_n in [(s, n) for s in SPLITS for n in (32, 64)]:
         row: dict[str, Any] = {"site": site, "case": case, "env_batch": batch, "backend": "triton", "kernel": "triton",
-                               "splits": splits, **x["shape"]}  # fmt: skip
+                               "splits": splits, "block_n": block_n, **x["shape"]}  # fmt: skip
 
-        def call(splits=splits):
-            return attention_kernel.attend(x["q"], x["k"], x["v"], mask, scale, splits)
+        def call(splits=splits, block_n=block_n):
+            return attention_kernel.attend(x["q"], x["k"], x["v"], mask, scale, splits, block_n)
 
         with torch.no_grad():
             out = call()

@@ -124,6 +124,8 @@ SECTIONS: dict[str, Section] = {
     "ppo": section("benchmarks.bench_ppo"),
     "attention_backend": section("benchmarks.bench_attention_backend"),
     "attention_expert": section("benchmarks.bench_attention_backend", sites=("expert",)),
+    "skinny_gemm": section("benchmarks.bench_skinny_gemm"),
+    "profile_a1": section("benchmarks.profile_policy", plan=(("a", (1,)),)),
 }
 """Section name -> function of the output folder, in the order ``--sections`` defaults to."""
 

@@ -37,6 +37,8 @@ BLOCK_N = 32
 """Keys per inner iteration."""
 TARGET_PROGRAMS = 132
 """Programs to aim for when splitting the keys (the H200's SM count: one full wave)."""
+MAX_SPLITS = 32
+"""Most key ranges per row block (the combine kernel reads their maxima as one tile)."""
 
 if kernels.HAS_TRITON:  # pragma: no cover - needs a CUDA GPU or the interpreter
     import triton
@@ -114,6 +116,7 @@ if kernels.HAS_TRITON:  # pragma: no cover - needs a CUDA GPU or the interpreter
     @triton.jit(do_not_specialize=["splits"])
     def _attend_combine_kernel(
         po_ptr, pm_ptr, pl_ptr, o_ptr, rows, splits, o_b,
+        INTERPRET: tl.constexpr, MAX_SPLITS: tl.constexpr,  # noqa: N803
         BLOCK_M: tl.constexpr, D: tl.constexpr, HD: tl.constexpr,  # noqa: N803
     ):  # fmt: skip
         # Program (row block, batch row): the key ranges' partials weighted by exp(m_s - max_s m_s), in order.
@@ -122,22 +125,28 @@ if kernels.HAS_TRITON:  # pragma: no cover - needs a CUDA GPU or the interpreter
         d = tl.arange(0, D)
         row_ok = r < rows
         ok = row_ok[:, None] & (d < HD)[None, :]
-        m = tl.full((BLOCK_M,), float("-inf"), tl.float32)
-        s = 0
-        while s < splits:
-            m = tl.maximum(m, tl.load(pm_ptr + (b * splits + s) * rows + r, mask=row_ok, other=0.0))
-            s += 1
+        ranges = tl.arange(0, MAX_SPLITS)
+        part = (b * splits + ranges[:, None]) * rows + r[None, :]  # (MAX_SPLITS, BLOCK_M)
+        part_ok = (ranges < splits)[:, None] & row_ok[None, :]
+        m_s = tl.load(pm_ptr + part, mask=part_ok, other=float("-inf"))
+        m = tl.max(m_s, axis=0)
+        den = tl.sum(tl.exp(m_s - m[None, :]) * tl.load(pl_ptr + part, mask=part_ok, other=0.0), axis=0)
         num = tl.zeros((BLOCK_M, D), tl.float32)
-        den = tl.zeros((BLOCK_M,), tl.float32)
-        s = 0
-        while s < splits:
-            part = (b * splits + s) * rows + r
-            w = tl.exp(tl.load(pm_ptr + part, mask=row_ok, other=0.0) - m)
-            den += w * tl.load(pl_ptr + part, mask=row_ok, other=0.0)
-            num += w[:, None] * tl.load(po_ptr + part[:, None] * HD + d[None, :], mask=ok, other=0.0)
-            s += 1
+        if INTERPRET:  # the interpreter runs no `for` over a runtime bound
+            s = 0
+            while s < splits:
+                num = _combine_range(num, po_ptr, pm_ptr, (b * splits + s) * rows + r, m, row_ok, ok, d, HD)
+                s += 1
+        else:
+            for s in range(0, splits):
+                num = _combine_range(num, po_ptr, pm_ptr, (b * splits + s) * rows + r, m, row_ok, ok, d, HD)
         out = num / tl.where(row_ok, den, 1.0)[:, None]
         tl.store(o_ptr + b * o_b + r[:, None] * HD + d[None, :], out.to(o_ptr.dtype.element_ty), mask=ok)
+
+    @triton.jit
+    def _combine_range(num, po_ptr, pm_ptr, part, m, row_ok, ok, d, HD: tl.constexpr):  # noqa: N803
+        w = tl.exp(tl.load(pm_ptr + part, mask=row_ok, other=0.0) - m)
+        return num + w[:, None] * tl.load(po_ptr + part[:, None] * HD + d[None, :], mask=ok, other=0.0)
 
 
 def serves(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> bool:
@@ -157,7 +166,7 @@ def serves(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> bool:
 def num_splits(batch: int, rows: int, keys: int) -> int:
     """Key ranges per row block: enough programs for one wave (`TARGET_PROGRAMS`), at most one per key block."""
     programs = batch * _cdiv(rows, BLOCK_M)
-    return max(1, min(_cdiv(keys, BLOCK_N), TARGET_PROGRAMS // programs))
+    return max(1, min(_cdiv(keys, BLOCK_N), TARGET_PROGRAMS // programs, MAX_SPLITS))
 
 
 def _cdiv(a: int, b: int) -> int:
@@ -172,11 +181,13 @@ def attend(
     key_mask: torch.Tensor | None,
     scale: float,
     splits: int | None = None,
+    block_n: int = BLOCK_N,
 ) -> torch.Tensor:
     """Attention of q (B, Nh, T, hd) over one K/V head (B, 1, S, hd); `key_mask` additive (B or 1, 1, 1, S) or None.
 
     Returns (B, Nh, T, hd) in q's dtype, laid out as q (a token-major q gives a token-major result, whose
-    o-projection reshape is free). `splits` overrides the number of key ranges (`num_splits`; benchmarks).
+    o-projection reshape is free). `splits` (the number of key ranges, default `num_splits`) and `block_n` (keys
+    per iteration) are benchmarks' overrides.
     """
     b, n, t, hd = q.shape
     s = k.shape[2]
@@ -194,9 +205,9 @@ def attend(
         assert mask.stride(1) == 1
     else:
         mask, m_b = q.new_empty(1), 0  # never read
-    splits = splits or num_splits(b, rows, s)
-    iters = _cdiv(_cdiv(s, BLOCK_N), splits)  # key blocks per range
-    splits = _cdiv(_cdiv(s, BLOCK_N), iters)
+    splits = min(splits or num_splits(b, rows, s), MAX_SPLITS)
+    iters = _cdiv(_cdiv(s, block_n), splits)  # key blocks per range
+    splits = _cdiv(_cdiv(s, block_n), iters)
     if splits > 1:
         part_o = torch.empty(b, splits, rows, hd, dtype=torch.float32, device=q.device)
         part_m = torch.empty(b, splits, rows, dtype=torch.float32, device=q.device)
@@ -208,10 +219,11 @@ def attend(
         q, k, v, mask, out, part_o, part_m, part_l,
         rows, inner, s, iters, splits, scale, q.stride(0), q_outer, q_inner, k.stride(0), k.stride(2), v.stride(0),
         v.stride(2), m_b, out.stride(0), HAS_MASK=key_mask is not None, INTERPRET=kernels.INTERPRETED,
-        BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N, D=width, HD=hd, num_warps=8 if width >= 128 else 4, num_stages=2,
+        BLOCK_M=BLOCK_M, BLOCK_N=block_n, D=width, HD=hd, num_warps=8 if width >= 128 else 4, num_stages=2,
     )  # fmt: skip
     if splits > 1:
         _attend_combine_kernel[(m_blocks, b)](part_o, part_m, part_l, out, rows, splits, out.stride(0),
+                                              INTERPRET=kernels.INTERPRETED, MAX_SPLITS=MAX_SPLITS,
                                               BLOCK_M=BLOCK_M, D=width, HD=hd, num_warps=4)  # fmt: skip
     if token_major:
         return out.view(b, t, n, hd).transpose(1, 2)

@@ -15,6 +15,7 @@ used. Deployments declare one camera set, so this adds no graphs in practice.
 from __future__ import annotations
 
 import bisect
+import gc
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
@@ -262,6 +263,9 @@ class Pi05Scheduler:
             for cams in cfg.camera_sets:
                 for k in cfg.num_steps:
                     self._denoise_stage(min(buckets), self.prompt_buckets[-1], cams, k)
+        # Unreachable CUDA graphs (e.g. a dropped policy's, in a reference cycle) must not be destroyed by a
+        # garbage collection that happens to run inside a capture: that invalidates it.
+        gc.collect()
         torch.cuda.current_stream(self.device).wait_stream(side)
         try:
             for b in sorted(buckets, reverse=True):

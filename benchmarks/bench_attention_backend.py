@@ -76,7 +76,7 @@ def _mask_for(backend: str, mask: torch.Tensor | None, shape: dict[str, int]) ->
     if mask is None:
         return None
     s = shape
-    gemm = backend == "triton" or backend == "gemm" and attention.gemm_serves(
+    gemm = backend in ("gemm", "triton") and attention.gemm_serves(
         s["batch"], s["heads"], s["kv_heads"], s["queries"], s["keys"]
     )
     return attention.additive_mask(mask, torch.float32 if gemm else torch.bfloat16)
@@ -132,9 +132,9 @@ def measure(site: str, case: str, batch: int, device: torch.device) -> list[dict
 
 def _triton_splits(x: dict[str, Any], scale: float, ref: torch.Tensor, site: str, case: str, batch: int) -> list:
     """The Triton kernel at forced key splits (`SPLITS`) on the same inputs."""
-    from policies.pi05 import attention_kernel
+    from policies.pi05 import attention, attention_kernel
 
-    mask = _mask_for("triton", x["mask"], x["shape"])
+    mask = attention.additive_mask(x["mask"], torch.float32)
     rows = []
     for splits, block_n in [(s, n) for s in SPLITS for n in (32, 64)]:
         row: dict[str, Any] = {"site": site, "case": case, "env_batch": batch, "backend": "triton", "kernel": "triton",

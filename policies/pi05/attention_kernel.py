@@ -33,12 +33,14 @@ from . import kernels
 
 BLOCK_M = 64
 """Folded query rows per program."""
-BLOCK_N = 32
+BLOCK_N = 64
 """Keys per inner iteration."""
 TARGET_PROGRAMS = 132
 """Programs to aim for when splitting the keys (the H200's SM count: one full wave)."""
 MAX_SPLITS = 32
 """Most key ranges per row block (the combine kernel reads their maxima as one tile)."""
+COMBINE_M, COMBINE_D = 16, 64
+"""The combine kernel's tile (rows x columns): small, so that many programs stream the partials."""
 
 if kernels.HAS_TRITON:  # pragma: no cover - needs a CUDA GPU or the interpreter
     import triton
@@ -117,12 +119,13 @@ if kernels.HAS_TRITON:  # pragma: no cover - needs a CUDA GPU or the interpreter
     def _attend_combine_kernel(
         po_ptr, pm_ptr, pl_ptr, o_ptr, rows, splits, o_b,
         INTERPRET: tl.constexpr, MAX_SPLITS: tl.constexpr,  # noqa: N803
-        BLOCK_M: tl.constexpr, D: tl.constexpr, HD: tl.constexpr,  # noqa: N803
+        BLOCK_M: tl.constexpr, BLOCK_D: tl.constexpr, HD: tl.constexpr,  # noqa: N803
     ):  # fmt: skip
-        # Program (row block, batch row): the key ranges' partials weighted by exp(m_s - max_s m_s), in order.
-        pid_m, b = tl.program_id(0), tl.program_id(1).to(tl.int64)
+        # Program (row block, column block, batch row): the key ranges' partials weighted by exp(m_s - max m_s),
+        # summed in range order. Small tiles, many programs: it only streams the float32 partials.
+        pid_m, pid_d, b = tl.program_id(0), tl.program_id(1), tl.program_id(2).to(tl.int64)
         r = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
-        d = tl.arange(0, D)
+        d = pid_d * BLOCK_D + tl.arange(0, BLOCK_D)
         row_ok = r < rows
         ok = row_ok[:, None] & (d < HD)[None, :]
         ranges = tl.arange(0, MAX_SPLITS)
@@ -131,7 +134,7 @@ if kernels.HAS_TRITON:  # pragma: no cover - needs a CUDA GPU or the interpreter
         m_s = tl.load(pm_ptr + part, mask=part_ok, other=float("-inf"))
         m = tl.max(m_s, axis=0)
         den = tl.sum(tl.exp(m_s - m[None, :]) * tl.load(pl_ptr + part, mask=part_ok, other=0.0), axis=0)
-        num = tl.zeros((BLOCK_M, D), tl.float32)
+        num = tl.zeros((BLOCK_M, BLOCK_D), tl.float32)
         if INTERPRET:  # the interpreter runs no `for` over a runtime bound
             s = 0
             while s < splits:
@@ -222,9 +225,11 @@ def attend(
         BLOCK_M=BLOCK_M, BLOCK_N=block_n, D=width, HD=hd, num_warps=8 if width >= 128 else 4, num_stages=2,
     )  # fmt: skip
     if splits > 1:
-        _attend_combine_kernel[(m_blocks, b)](part_o, part_m, part_l, out, rows, splits, out.stride(0),
-                                              INTERPRET=kernels.INTERPRETED, MAX_SPLITS=MAX_SPLITS,
-                                              BLOCK_M=BLOCK_M, D=width, HD=hd, num_warps=4)  # fmt: skip
+        block_d = min(COMBINE_D, width)
+        grid = (_cdiv(rows, COMBINE_M), _cdiv(hd, block_d), b)
+        _attend_combine_kernel[grid](part_o, part_m, part_l, out, rows, splits, out.stride(0),
+                                     INTERPRET=kernels.INTERPRETED, MAX_SPLITS=MAX_SPLITS, BLOCK_M=COMBINE_M,
+                                     BLOCK_D=block_d, HD=hd, num_warps=4)  # fmt: skip
     if token_major:
         return out.view(b, t, n, hd).transpose(1, 2)
     return out.view(b, n, t, hd)

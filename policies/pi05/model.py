@@ -382,7 +382,7 @@ class Pi05Model(nn.Module):
             cache.suffix_rope = rope_cos_sin(positions, cfg.head_dim, cfg.rope_theta, x.dtype)
             valid = torch.cat([cache.key_mask, torch.ones(b, h, dtype=torch.bool, device=x_t.device)], dim=1)
             # "gemm" and "triton" add the mask to float32 scores; SDPA and flash take it in the compute dtype
-            gemm = self.plan.expert == "triton" or self.plan.expert == "gemm" and gemm_serves(
+            gemm = self.plan.expert in ("gemm", "triton") and gemm_serves(
                 b, cfg.num_heads, cfg.num_kv_heads, h, valid.shape[1], torch.is_grad_enabled()
             )
             cache.suffix_mask = additive_mask(valid, torch.float32 if gemm else x.dtype)

@@ -60,6 +60,7 @@ def test_triton_hand_over_is_reported():
     assert served_by("triton", cpu, torch.bfloat16, 1, 8, 1, 50, 1018, 256) == "gemm"  # CPU: the gemm path
     assert served_by("triton", cuda, torch.bfloat16, 1, 8, 1, 50, 1018, 256, grad=True) == "gemm"  # autograd
     assert served_by("triton", cuda, torch.bfloat16, 64, 8, 2, 50, 1018, 256).startswith("sdpa (gemm:")
+    assert served_by("triton", cuda, torch.bfloat16, 64, 8, 1, 50, 1018, 256).startswith("sdpa (gemm:")  # large
     if kernels.HAS_TRITON:
         assert attention.triton_shape_status(cuda, torch.float32, 1, 256) == (
             "dtype torch.float32 (the kernel runs float16/bfloat16)"

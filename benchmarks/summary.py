@@ -33,18 +33,22 @@ class Table:
 
 TABLES: dict[str, Table] = {
     "policy": Table(
-        ("case", "method", "value_source", "batch", "fused_kernels", "attention"),
+        ("case", "method", "value_source", "batch", "fused_kernels", "attention", "blas_library"),
         ("p50_ms", "samples_per_s", "prefix_ms_p50", "denoise_ms_p50", "achieved_tflops", "peak_mem_gib"),
     ),
     "model_eager": Table(("backend", "batch"), ("p50_ms", "peak_mem_gib", "finite", "status")),
     "startup": Table((), ("total_s", "graphs", "peak_mem_gib_batch64_3cam")),
     "batch_invariance": Table(("config",), ("initial_noise_equal", "actions_max_abs_diff", "log_prob_max_abs_diff")),
     "cuda_tests": Table((), ("returncode", "summary")),
+    "cli": Table(("measure",), ("results.help_s_p50", "results.cached_call_s_p50", "results.wall_s")),
     "gpu_suite": Table(("section",), ("status", "seconds")),
     "expert_attention": Table(("case", "batch"), ("keys", "sdpa_us", "gemm_us")),
     "attention_backend": Table(
-        ("site", "case", "env_batch", "backend"), ("status", "kernel", "max_rel_err", "us_per_call", "timing")
+        ("site", "case", "env_batch", "backend", "splits", "block_n"),
+        ("status", "kernel", "max_rel_err", "us_per_call", "timing"),
     ),
+    "skinny_gemm": Table(("gemm", "m", "backend", "block_n", "block_k", "num_warps"),
+                         ("us_per_call", "weight_gb_per_s", "max_rel_err", "status")),
     "profile": Table(("case", "batch", "stage"), ("wall_ms", "kernel_ms", "kernels_per_call")),
     "expert_kernels": Table(
         ("case", "batch", "fused_kernels"),
@@ -82,8 +86,11 @@ TABLES: dict[str, Table] = {
     "update0_ratio": Table(("trainer", "setting", "batch", "check"),
                            ("mean_abs_log_ratio", "max_abs_log_ratio", "clip_fraction", "approx_kl")),
     "act_public": Table(("setting", "batch"), ("samples_per_s", "p50_ms", "ratio_to_64", "bucket")),
-    "ppo_iteration": Table(("config", "env"), ("iteration_s_p50", "rollout_s_p50", "update_s_p50", "sync_s_p50",
-                                              "final_success_deterministic", "max_abs_diff_non_time_columns")),
+    "ppo_iteration": Table(
+        ("config", "env", "flags", "concurrent_runs", "seed"),
+        ("iteration_s_p50", "rollout_s_p50", "update_s_p50", "sync_s_p50", "final_success_deterministic",
+         "max_abs_diff_non_time_columns"),
+    ),
     "ppo_seeds": Table(("config", "flags", "iterations", "seeds"),
                        ("mean_deterministic", "final_success_deterministic", "mean_stochastic", "episodes_each",
                         "concurrent_runs", "failed_seeds")),

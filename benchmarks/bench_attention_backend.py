@@ -125,28 +125,35 @@ def measure(site: str, case: str, batch: int, device: torch.device) -> list[dict
             row["status"] = f"failed: {type(err).__name__}: {err}"[:800]
             row["traceback"] = traceback.format_exc()[-1500:]
         rows.append(row)
-    if site == "expert" and batch == 1 and attention.served_by("triton", device, q.dtype, **shape) == "triton":
-        rows += _triton_splits(x, scale, ref, site, case, batch)
+    if site != "vision" and not attention.triton_shape_status(device, q.dtype, shape["kv_heads"], shape["head_dim"]):
+        rows += _triton_direct(x, scale, ref, site, case, batch, sweep=site == "expert" and batch == 1)
     return rows
 
 
-def _triton_splits(x: dict[str, Any], scale: float, ref: torch.Tensor, site: str, case: str, batch: int) -> list:
-    """The Triton kernel at forced key splits (`SPLITS`) on the same inputs."""
+def _triton_direct(
+    x: dict[str, Any], scale: float, ref: torch.Tensor, site: str, case: str, batch: int, sweep: bool
+) -> list:
+    """The Triton kernel called directly (whatever "triton"'s size routing says) on the same inputs: at its default
+    key splits (``kernel`` "triton (direct)"), and with `sweep` also at forced splits (`SPLITS`) and block widths."""
     from policies.pi05 import attention, attention_kernel
 
     mask = attention.additive_mask(x["mask"], torch.float32)
     rows = []
-    for splits, block_n in [(s, n) for s in SPLITS for n in (32, 64)]:
-        row: dict[str, Any] = {"site": site, "case": case, "env_batch": batch, "backend": "triton", "kernel": "triton",
-                               "splits": splits, "block_n": block_n, **x["shape"]}  # fmt: skip
+    for splits, block_n in [(None, attention_kernel.BLOCK_N)] + [(s, n) for s in SPLITS for n in (32, 64)] * sweep:
+        forced = {} if splits is None else {"splits": splits, "block_n": block_n}
+        row: dict[str, Any] = {"site": site, "case": case, "env_batch": batch, "backend": "triton",
+                               "kernel": "triton" if forced else "triton (direct)", **forced, **x["shape"]}  # fmt: skip
 
         def call(splits=splits, block_n=block_n):
             return attention_kernel.attend(x["q"], x["k"], x["v"], mask, scale, splits, block_n)
 
-        with torch.no_grad():
-            out = call()
-            row["max_rel_err"] = float((out.float() - ref).abs().max() / ref.abs().max())
-            row["us_per_call"], row["timing"], row["status"] = graph_time_us(call), "cuda_graph", "ran"
+        try:
+            with torch.no_grad():
+                out = call()
+                row["max_rel_err"] = float((out.float() - ref).abs().max() / ref.abs().max())
+                row["us_per_call"], row["timing"], row["status"] = graph_time_us(call), "cuda_graph", "ran"
+        except Exception as err:  # noqa: BLE001 - record the exact failure and go on
+            row["status"] = f"failed: {type(err).__name__}: {err}"[:800]
         rows.append(row)
     return rows
 

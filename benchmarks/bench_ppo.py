@@ -21,6 +21,7 @@ DIR):
 from __future__ import annotations
 
 import argparse
+import shlex
 import sys
 import tempfile
 import time
@@ -444,15 +445,15 @@ DEFAULT = ("update", "ratio", "act", "iteration")
 """What `run` (the gpu_suite `ppo` section) measures by default: not "seeds" (4 concurrent full runs)."""
 
 
-def run(out: Path | None = None, which=DEFAULT, seeds=None) -> None:
+def run(out: Path | None = None, which=DEFAULT, seeds=None, flags: tuple[str, ...] = ()) -> None:
     """Every measurement in `which` (the `ppo` section of gpu_suite.py); one failing does not lose the others.
-    `seeds` are "seeds"'s (None: its default)."""
+    `seeds` and `flags` (the example's flags, e.g. ``("--learning-rate", "2e-5")``) are "seeds"'s."""
     if out is not None:
         out.mkdir(parents=True, exist_ok=True)
     for name in which:
         try:
-            if name == "seeds" and seeds is not None:
-                bench_seeds(out, seeds=seeds)
+            if name == "seeds":
+                bench_seeds(out, **({"seeds": seeds} if seeds is not None else {}), flags=tuple(flags))
             else:
                 WHICH[name](out)
         except Exception as err:  # noqa: BLE001
@@ -469,9 +470,10 @@ def main() -> None:
     parser.add_argument(
         "--seeds", nargs="+", type=int, default=None, help="run `seeds` with these seeds at once (default: 1 2 3 4)"
     )
+    parser.add_argument("--flags", default="", help='the example\'s flags for "seeds", e.g. "--learning-rate 2e-5"')
     args = parser.parse_args()
     which = args.which if args.which is not None else ["seeds"] if args.seeds else list(DEFAULT)
-    run(args.out, which, args.seeds)
+    run(args.out, which, args.seeds, tuple(shlex.split(args.flags)))
 
 
 if __name__ == "__main__":

@@ -6,9 +6,10 @@ prefix cache and the action tokens' own K/V). Folding the heads that share the K
 online softmax (flash-decoding): float32 scores from half operands, the additive key mask added in float32,
 probabilities cast to the value dtype for the second product, float32 accumulation. With one key range per row
 block the program normalises and writes the output itself; with several (small batches, where row blocks alone
-would occupy a few SMs) each writes its float32 partial (sum, max, normaliser) and a second kernel combines them
-in a fixed order. Either way the call is deterministic and graph-capturable, and it replaces the "gemm" path's
-five kernels (scores GEMM, softmax, cast, PV GEMM with its split-K reduce).
+would occupy a few SMs) each writes its float32 partial (sum, max, normaliser) and a second kernel combines them,
+all ranges of a row in one tile reduction (a fixed order). Either way the call is deterministic and
+graph-capturable, and it replaces the "gemm" path's five kernels (scores GEMM, softmax, cast, PV GEMM with its
+split-K reduce).
 
 Rounding: as "gemm" (`attention._gemm`) up to float32 summation order, except that the probabilities are cast to
 the value dtype before normalisation instead of after (each rounds once, relative error 2^-9 either way).
@@ -39,8 +40,8 @@ TARGET_PROGRAMS = 132
 """Programs to aim for when splitting the keys (the H200's SM count: one full wave)."""
 MAX_SPLITS = 32
 """Most key ranges per row block (the combine kernel reads their maxima as one tile)."""
-COMBINE_M, COMBINE_D = 16, 64
-"""The combine kernel's tile (rows x columns): small, so that many programs stream the partials."""
+COMBINE_D = 64
+"""Columns per combine program (one row, all key ranges): small, so that many programs load the partials at once."""
 
 if kernels.HAS_TRITON:  # pragma: no cover - needs a CUDA GPU or the interpreter
     import triton
@@ -115,41 +116,24 @@ if kernels.HAS_TRITON:  # pragma: no cover - needs a CUDA GPU or the interpreter
             tl.store(o_ptr + b * o_b + r[:, None] * HD + d[None, :], out.to(o_ptr.dtype.element_ty),
                      mask=row_ok[:, None] & d_ok[None, :])  # fmt: skip
 
-    @triton.jit(do_not_specialize=["splits"])
+    @triton.jit(do_not_specialize=["rows", "splits", "o_b"])
     def _attend_combine_kernel(
         po_ptr, pm_ptr, pl_ptr, o_ptr, rows, splits, o_b,
-        INTERPRET: tl.constexpr, MAX_SPLITS: tl.constexpr,  # noqa: N803
-        BLOCK_M: tl.constexpr, BLOCK_D: tl.constexpr, HD: tl.constexpr,  # noqa: N803
+        MAX_SPLITS: tl.constexpr, BLOCK_D: tl.constexpr, HD: tl.constexpr,  # noqa: N803
     ):  # fmt: skip
-        # Program (row block, column block, batch row): the key ranges' partials weighted by exp(m_s - max m_s),
-        # summed in range order. Small tiles, many programs: it only streams the float32 partials.
-        pid_m, pid_d, b = tl.program_id(0), tl.program_id(1), tl.program_id(2).to(tl.int64)
-        r = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
-        d = pid_d * BLOCK_D + tl.arange(0, BLOCK_D)
-        row_ok = r < rows
-        ok = row_ok[:, None] & (d < HD)[None, :]
+        # Program (row, column block, batch row): every key range's partial of the row as one (MAX_SPLITS,
+        # BLOCK_D) tile, weighted by exp(m_s - max m_s) and reduced at once (one round of loads, no loop).
+        r, pid_d, b = tl.program_id(0), tl.program_id(1), tl.program_id(2).to(tl.int64)
         ranges = tl.arange(0, MAX_SPLITS)
-        part = (b * splits + ranges[:, None]) * rows + r[None, :]  # (MAX_SPLITS, BLOCK_M)
-        part_ok = (ranges < splits)[:, None] & row_ok[None, :]
-        m_s = tl.load(pm_ptr + part, mask=part_ok, other=float("-inf"))
-        m = tl.max(m_s, axis=0)
-        den = tl.sum(tl.exp(m_s - m[None, :]) * tl.load(pl_ptr + part, mask=part_ok, other=0.0), axis=0)
-        num = tl.zeros((BLOCK_M, BLOCK_D), tl.float32)
-        if INTERPRET:  # the interpreter runs no `for` over a runtime bound
-            s = 0
-            while s < splits:
-                num = _combine_range(num, po_ptr, pm_ptr, (b * splits + s) * rows + r, m, row_ok, ok, d, HD)
-                s += 1
-        else:
-            for s in range(0, splits):
-                num = _combine_range(num, po_ptr, pm_ptr, (b * splits + s) * rows + r, m, row_ok, ok, d, HD)
-        out = num / tl.where(row_ok, den, 1.0)[:, None]
-        tl.store(o_ptr + b * o_b + r[:, None] * HD + d[None, :], out.to(o_ptr.dtype.element_ty), mask=ok)
-
-    @triton.jit
-    def _combine_range(num, po_ptr, pm_ptr, part, m, row_ok, ok, d, HD: tl.constexpr):  # noqa: N803
-        w = tl.exp(tl.load(pm_ptr + part, mask=row_ok, other=0.0) - m)
-        return num + w[:, None] * tl.load(po_ptr + part[:, None] * HD + d[None, :], mask=ok, other=0.0)
+        d = pid_d * BLOCK_D + tl.arange(0, BLOCK_D)
+        used = ranges < splits
+        part = (b * splits + ranges) * rows + r  # (MAX_SPLITS,)
+        m_s = tl.load(pm_ptr + part, mask=used, other=float("-inf"))
+        w = tl.exp(m_s - tl.max(m_s, axis=0))  # 0 for the unused ranges
+        den = tl.sum(w * tl.load(pl_ptr + part, mask=used, other=0.0), axis=0)
+        acc = tl.load(po_ptr + part[:, None] * HD + d[None, :], mask=used[:, None] & (d < HD)[None, :], other=0.0)
+        out = tl.sum(w[:, None] * acc, axis=0) / den
+        tl.store(o_ptr + b * o_b + r * HD + d, out.to(o_ptr.dtype.element_ty), mask=d < HD)
 
 
 def serves(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> bool:
@@ -226,10 +210,9 @@ def attend(
     )  # fmt: skip
     if splits > 1:
         block_d = min(COMBINE_D, width)
-        grid = (_cdiv(rows, COMBINE_M), _cdiv(hd, block_d), b)
-        _attend_combine_kernel[grid](part_o, part_m, part_l, out, rows, splits, out.stride(0),
-                                     INTERPRET=kernels.INTERPRETED, MAX_SPLITS=MAX_SPLITS, BLOCK_M=COMBINE_M,
-                                     BLOCK_D=block_d, HD=hd, num_warps=4)  # fmt: skip
+        _attend_combine_kernel[(rows, _cdiv(hd, block_d), b)](part_o, part_m, part_l, out, rows, splits, out.stride(0),
+                                                              MAX_SPLITS=MAX_SPLITS, BLOCK_D=block_d, HD=hd,
+                                                              num_warps=4)  # fmt: skip
     if token_major:
         return out.view(b, t, n, hd).transpose(1, 2)
     return out.view(b, n, t, hd)

@@ -76,6 +76,8 @@ class Pi05Policy:
                 f"rollout.num_steps: expected one of the scheduler's declared num_steps {tuple(scheduler.num_steps)}, "
                 f"got {self.rollout.num_steps}; declare it in SchedulerConfig.num_steps."
             )
+        if self.rollout.method == "noise" and not scheduler.learned_noise:
+            scheduler = replace(scheduler, learned_noise=True)  # its graphs run the noise head
         self.scheduler = Pi05Scheduler(model, scheduler)
         self.streams = StreamTable(self.device)
         self._lock = threading.RLock()

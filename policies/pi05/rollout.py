@@ -127,11 +127,13 @@ def run_denoise_stage(
     ctrl: Controls,
     prefix_value: torch.Tensor | None,
     fused_kernels: bool = False,
+    learned_noise: bool = True,
 ) -> RolloutOutputs:
     """K unrolled expert steps with the rollout math; values from the prefix or the pooled suffix.
 
     `fused_kernels`: run the expert layers and each step's sampler math as the fused kernels of `kernels.py`
-    where they serve.
+    where they serve. `learned_noise`: run the noise head (if any). Only method "noise" reads its std; every
+    other method multiplies it by 0 (`Controls.learned_std_on`), so leaving it out changes no output bit.
     """
 
     def velocity_fn(x: torch.Tensor, i: int):
@@ -141,7 +143,7 @@ def run_denoise_stage(
     value_fn = None
     if model.config.value_source == "suffix" and model.value_head is not None:
         value_fn = model.value_head.forward
-    head = model.noise_head.forward if model.noise_head is not None else None
+    head = model.noise_head.forward if learned_noise and model.noise_head is not None else None
     result = denoise(velocity_fn, x0, xi, tables.steps, ctrl, head, value_fn, fused_kernels)
     if result.suffix_values is not None:
         values = result.suffix_values

@@ -69,6 +69,7 @@ def check_scheduler_fields(cfg: SchedulerConfig) -> None:
             raise ValueError(bad_input(f"{owner}.camera_sets[{i}]", "distinct slot indices", slots))
     check_bool(f"{owner}.cuda_graphs", cfg.cuda_graphs)
     check_bool(f"{owner}.fused_kernels", cfg.fused_kernels)
+    check_bool(f"{owner}.learned_noise", cfg.learned_noise)
 
 
 @dataclass
@@ -88,6 +89,10 @@ class SchedulerConfig:
             runs the unfused PyTorch ops (the A/B baseline and a fallback). Either way graph replay equals the
             eager stage bitwise; the two settings differ by rounding in half precision (the layer kernels round
             once per kernel). No effect on CPU.
+        learned_noise: also capture, at setup, the denoise graphs that run the learned noise head, which only
+            method "noise" reads (`Pi05Policy` sets it when its rollout method is "noise"). Other methods run
+            graphs without the head, with the same outputs; without this flag the first "noise" call captures
+            its graphs then, once.
     """
 
     max_batch_size: int = 64
@@ -97,6 +102,7 @@ class SchedulerConfig:
     camera_sets: tuple[tuple[int, ...], ...] = ((0, 1, 2),)
     cuda_graphs: bool = True
     fused_kernels: bool = True
+    learned_noise: bool = False
 
     def __post_init__(self) -> None:
         check_scheduler_fields(self)
@@ -170,6 +176,8 @@ class Pi05Scheduler:
         self._pool = None
         self._switch_cache: dict[RolloutConfig, dict[str, torch.Tensor]] = {}
         self._camera_indices: dict[tuple[int, ...], torch.Tensor] = {}
+        has_head = model.noise_head is not None
+        self._noise_variants = (False, True) if has_head and config.learned_noise else (False,)
 
     # ------------------------------------------------------------------------------------------ setup
     def setup(self) -> None:
@@ -232,7 +240,7 @@ class Pi05Scheduler:
         self.config.batch_buckets = tuple(sorted({*self.config.batch_buckets, *new}))
         if self.use_graphs and self.buffers is not None:
             with torch.no_grad():
-                self._capture_buckets(new)
+                self._capture_buckets(new, self._noise_variants)
         return new
 
     def _capture_all(self) -> None:
@@ -244,14 +252,24 @@ class Pi05Scheduler:
             for cams in cfg.camera_sets:
                 self._prefix_stage(cfg.batch_buckets[-1], self.prompt_buckets[-1], cams)
                 for k in cfg.num_steps:
-                    self._denoise_stage(cfg.batch_buckets[-1], self.prompt_buckets[-1], cams, k)
+                    for learned in self._noise_variants:
+                        self._denoise_stage(cfg.batch_buckets[-1], self.prompt_buckets[-1], cams, k, learned)
         torch.cuda.current_stream(self.device).wait_stream(side)
         torch.cuda.synchronize(self.device)
         assert cfg.batch_buckets is not None
-        self._capture_buckets(cfg.batch_buckets)
+        self._capture_buckets(cfg.batch_buckets, self._noise_variants)
 
-    def _capture_buckets(self, buckets: Sequence[int]) -> None:
-        """Capture the prefix and denoise graphs of `buckets`, largest first, into the shared pool.
+    def _capture_learned_noise(self) -> None:
+        """Capture the denoise graphs with the noise head for every bucket (the first "noise" call's)."""
+        assert self.config.batch_buckets is not None
+        with torch.no_grad():
+            self._capture_buckets(self.config.batch_buckets, (True,), prefix=False)
+        self._noise_variants = (False, True)
+
+    def _capture_buckets(self, buckets: Sequence[int], variants: Sequence[bool], prefix: bool = True) -> None:
+        """Capture the prefix (`prefix`) and denoise graphs of `buckets`, largest first, into the shared pool.
+
+        `variants`: the denoise graphs without (False) and with (True) the learned noise head.
 
         The smallest bucket's denoise stages run once eagerly first: the expert attention splits its keys over
         more programs at small batches (`attention_kernel`), and that kernel must compile outside a capture.
@@ -262,7 +280,8 @@ class Pi05Scheduler:
         with torch.cuda.stream(side):
             for cams in cfg.camera_sets:
                 for k in cfg.num_steps:
-                    self._denoise_stage(min(buckets), self.prompt_buckets[-1], cams, k)
+                    for learned in variants:
+                        self._denoise_stage(min(buckets), self.prompt_buckets[-1], cams, k, learned)
         # Unreachable CUDA graphs (e.g. a dropped policy's, in a reference cycle) must not be destroyed by a
         # garbage collection that happens to run inside a capture: that invalidates it.
         gc.collect()
@@ -271,10 +290,14 @@ class Pi05Scheduler:
             for b in sorted(buckets, reverse=True):
                 for length in self.prompt_buckets:
                     for cams in cfg.camera_sets:
-                        self._capture(self._prefix_graphs, (b, length, cams), self._prefix_stage, b, length, cams)
+                        if prefix:
+                            key = (b, length, cams)
+                            self._capture(self._prefix_graphs, key, self._prefix_stage, b, length, cams)
                         for k in cfg.num_steps:
-                            key = (b, length, cams, k)
-                            self._capture(self._denoise_graphs, key, self._denoise_stage, b, length, cams, k)
+                            for learned in variants:
+                                key = (b, length, cams, k, learned)
+                                self._capture(self._denoise_graphs, key, self._denoise_stage, b, length, cams, k,
+                                              learned)  # fmt: skip
         except RuntimeError as err:
             raise CaptureError(
                 f"CUDA graph capture failed ({err}). Remedies: (1) a smaller max_batch_size; (2) fewer "
@@ -326,8 +349,8 @@ class Pi05Scheduler:
         values = [v[:b, :, : t + h] for v in buf.values]
         return PrefixCache(keys, values, buf.key_mask[:b, :t], buf.num_valid[:b], suffix_offset=t)
 
-    def _denoise_stage(self, b: int, length: int, cams: tuple[int, ...], k: int) -> None:
-        """Static buffers [:b] -> chain, log-probs, values, denoise indices for K = k."""
+    def _denoise_stage(self, b: int, length: int, cams: tuple[int, ...], k: int, learned: bool = False) -> None:
+        """Static buffers [:b] -> chain, log-probs, values, denoise indices for K = k (`learned`: the noise head)."""
         buf, mcfg = self.buffers, self.model.config
         assert buf is not None and self.tables is not None
         t = len(cams) * mcfg.vision.num_patches + length
@@ -338,7 +361,7 @@ class Pi05Scheduler:
         has_prefix_value = mcfg.value_source == "prefix" and self.model.value_head is not None
         prefix_value = buf.prefix_value[:b] if has_prefix_value else None
         fused = self.config.fused_kernels
-        out = run_denoise_stage(self.model, cache, self.tables[k], x0, xi, ctrl, prefix_value, fused)
+        out = run_denoise_stage(self.model, cache, self.tables[k], x0, xi, ctrl, prefix_value, fused, learned)
         buf.chain[:b, : k + 1].copy_(out.chain)
         buf.log_prob[:b].copy_(out.log_prob_elements)
         buf.out_values[:b].copy_(out.values)
@@ -428,13 +451,13 @@ class Pi05Scheduler:
                 self._prefix_stage(b, length, cams)
             self.stats.eager_calls += 1
 
-    def _run_denoise(self, b: int, length: int, cams: tuple[int, ...], k: int) -> None:
+    def _run_denoise(self, b: int, length: int, cams: tuple[int, ...], k: int, learned: bool = False) -> None:
         if self.use_graphs:
-            self._denoise_graphs[(b, length, cams, k)].replay()
+            self._denoise_graphs[(b, length, cams, k, learned)].replay()
             self.stats.replays += 1
         else:
             with torch.no_grad():
-                self._denoise_stage(b, length, cams, k)
+                self._denoise_stage(b, length, cams, k, learned)
             self.stats.eager_calls += 1
 
     def rollout(
@@ -450,6 +473,9 @@ class Pi05Scheduler:
         With `keep_prefix` the outputs carry a copy of the prefix K/V (`RolloutOutputs.prefix`).
         """
         cams = self._check(inputs, opts)
+        learned = opts.method == "noise"  # `_check`: the model has the head
+        if learned and learned not in self._noise_variants and self.use_graphs:
+            self._capture_learned_noise()  # before loading: its warm-up runs write the static buffers
         length = self.prompt_bucket_for(inputs.tokens.shape[1])
         k, bmax = opts.num_steps, self.config.max_batch_size
         t = len(cams) * self.model.config.vision.num_patches + length
@@ -461,7 +487,7 @@ class Pi05Scheduler:
             b = self.bucket_for(n)
             self._load(chunk, seeds[index], counters[index], opts, b, length)
             self._run_prefix(b, length, cams)
-            self._run_denoise(b, length, cams, k)
+            self._run_denoise(b, length, cams, k, learned)
             buf = self.buffers
             assert buf is not None
             parts.append(

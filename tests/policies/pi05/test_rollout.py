@@ -241,6 +241,36 @@ def test_evaluate_refuses_a_mismatched_header() -> None:
         policy.evaluate(out)
 
 
+@pytest.mark.parametrize("method,joint", [("ode", False), ("sde", False), ("sde", True)])
+def test_denoise_without_the_noise_head_changes_no_bit(method: str, joint: bool, monkeypatch) -> None:
+    """Methods other than "noise" run the denoise stage without the noise head; their outputs are the same bits."""
+    import policies.pi05.scheduler as scheduler_module
+
+    policy = make_policy("suffix", method=method, joint=joint, noise_level=0.7)
+    assert policy.model.noise_head is not None
+    x = make_inputs(3, seed=4)
+    without = policy.act_inputs(x, seeds=[1, 2, 3])
+    stage = scheduler_module.run_denoise_stage
+    monkeypatch.setattr(scheduler_module, "run_denoise_stage", lambda *args: stage(*args[:8], True))
+    with_head = policy.act_inputs(x, seeds=[1, 2, 3])
+    for name in ("chains", "log_prob_elements", "log_prob", "values"):
+        assert torch.equal(getattr(without, name), getattr(with_head, name)), name
+
+
+def test_a_policy_switched_to_the_noise_method_runs_the_noise_head() -> None:
+    """`policy.rollout` changed to "noise" after construction: the same outputs as a policy built for "noise"."""
+    switched = make_policy("suffix", method="sde", joint=True)
+    assert not switched.scheduler.config.learned_noise
+    switched.rollout = replace(switched.rollout, method="noise")
+    built = make_policy("suffix", method="noise")
+    assert built.scheduler.config.learned_noise
+    x = make_inputs(2, seed=5)
+    a, b = switched.act_inputs(x, seeds=[4, 5]), built.act_inputs(x, seeds=[4, 5])
+    assert torch.equal(a.chains, b.chains) and torch.equal(a.log_prob, b.log_prob)
+    sde = make_policy("suffix", method="sde", joint=True).act_inputs(x, seeds=[4, 5])
+    assert not torch.equal(a.chains[:, 1:], sde.chains[:, 1:])  # the learned std, not the SDE's
+
+
 def test_noise_method_without_a_noise_head_is_refused() -> None:
     """Without the head the learned std would silently be 0 (an ODE chain with a bogus x_0-only log-prob)."""
     policy = make_policy("suffix", method="noise", model_overrides={"noise_head": False})

@@ -58,8 +58,8 @@ def test_default_buckets_and_bucket_choice() -> None:
 def test_rollout_uses_the_smallest_bucket_and_prompt_bucket(sched, monkeypatch) -> None:
     calls = []
     original = sched._run_denoise
-    monkeypatch.setattr(sched, "_run_denoise", lambda b, length, cams, k: (calls.append((b, length, cams, k)),
-                                                                          original(b, length, cams, k)))
+    monkeypatch.setattr(sched, "_run_denoise", lambda b, length, cams, k, learned: (
+        calls.append((b, length, cams, k)), original(b, length, cams, k, learned)))
     for n in (1, 2, 3, 4):
         seeds, counters = streams(n)
         out, inds = run(sched, make_inputs(n, seed=n), seeds, counters)

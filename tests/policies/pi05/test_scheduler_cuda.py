@@ -58,6 +58,25 @@ def _policy(model, graphs, k=(5, 10), max_batch=8):
     return Pi05Policy(model, _Proc((0, 1, 2)), RolloutConfig(num_steps=k[0], action_chunk=4), sched)
 
 
+def test_the_first_noise_call_captures_the_noise_head_graphs_once():
+    """An SDE policy switched to method "noise": its first call captures the head's denoise graphs, then replays."""
+    from dataclasses import replace
+
+    model = _model()
+    graph, eager = _policy(model, True), _policy(model, False)
+    before = graph.scheduler.stats.captures
+    x = _inputs(3, 48, 40)
+    for policy in (graph, eager):
+        policy.rollout = replace(policy.rollout, method="noise")
+    a = graph.act_inputs(x, seeds=range(3))
+    added = graph.scheduler.stats.captures - before
+    assert added == len(graph.scheduler.config.batch_buckets) * 3 * 2  # buckets x prompt buckets x K, denoise only
+    b = eager.act_inputs(x, seeds=range(3))
+    assert torch.equal(a.chains, b.chains) and torch.equal(a.log_prob_elements, b.log_prob_elements)
+    graph.act_inputs(x, seeds=range(3))
+    assert graph.scheduler.stats.captures - before == added
+
+
 def test_graph_replay_equals_eager_bitwise():
     model = _model()
     graph, eager = _policy(model, True), _policy(model, False)

@@ -8,6 +8,8 @@ Four kernels, each replacing a chain of PyTorch kernels and its passes over the 
   (Gemma's (1 + w) weight, or adaRMS's (1 + scale) and shift). One read of x and delta, one write of the new
   residual and of the normalised output, instead of an add/addcmul kernel, the norm kernel and the modulation
   kernel (plus, for the LM, the two small kernels that build (1 + w) in the compute dtype every call).
+  `add_layer_norm(x, delta, ...)` is the same kernel in LayerNorm mode, for SigLIP: the add, F.layer_norm and
+  the two casts of its float32 weight and bias become one kernel, computed as the unfused path does.
 - `qkv_rope(...)`: RoPE on q and k and the copy of v in one kernel, reading the projection output in its
   token-major layout and writing q token-major (the "gemm" attention's folded rows are then a free view) and
   k/v straight into their (B, Nkv, T, hd) cache slots. It replaces the layout copy before the half swap, the
@@ -22,7 +24,9 @@ arithmetic is float32; each output is rounded once to its dtype. The only interm
 of `add_norm`: it is rounded to the compute dtype (it is stored so and the next layer reads it so) and the norm
 statistics are taken of that rounded value, as the unfused code does. The unfused PyTorch code rounds more often
 (the normalised value before the modulation, x * cos before adding the rotated half), so the fused results are at
-least as close to a float32 model; they are not bitwise equal to the unfused ones.
+least as close to a float32 model; they are not bitwise equal to the unfused ones. `add_layer_norm` instead
+follows its unfused path operation for operation (the LayerNorm affine parameters rounded to the compute dtype,
+as the unfused casts do): it differs from it only in the float32 summation of the statistics.
 
 Where they run: Triton on CUDA half-precision tensors outside autograd (the rollout path: the eager warm-up compiles
 them before any graph is captured); `denoise_update` on the CUDA float32 action state, whatever the model's dtype.
@@ -91,9 +95,11 @@ if HAS_TRITON:  # pragma: no cover - needs a CUDA GPU or the interpreter
         x_ptr, d_ptr, g_ptr, s_ptr, b_ptr, r_ptr, y_ptr,
         n_cols, rows_per_group, x_stride, d_stride, r_stride, y_stride, g_stride, s_stride, b_stride, eps,
         HAS_DELTA: tl.constexpr, HAS_GATE: tl.constexpr, HAS_SHIFT: tl.constexpr,  # noqa: N803
-        ADD_ONE: tl.constexpr, STORE_RES: tl.constexpr, BLOCK: tl.constexpr,  # noqa: N803
+        ADD_ONE: tl.constexpr, STORE_RES: tl.constexpr, LAYER_NORM: tl.constexpr, LIBDEVICE: tl.constexpr,  # noqa: N803
+        BLOCK: tl.constexpr,  # noqa: N803
     ):  # fmt: skip
-        # One row per program: r = x + [gate *] delta (rounded, stored), y = rms(r) * scale [+ shift].
+        # One row per program: r = x + [gate *] delta (rounded, stored), y = rms(r) * scale [+ shift]; with
+        # LAYER_NORM, y = (r - mean) rstd * w + b as F.layer_norm's CUDA half kernel (see `add_layer_norm`).
         row = tl.program_id(0).to(tl.int64)
         group = row // rows_per_group  # the modulation row (batch index; 0 when broadcast with stride 0)
         cols = tl.arange(0, BLOCK)
@@ -109,13 +115,24 @@ if HAS_TRITON:  # pragma: no cover - needs a CUDA GPU or the interpreter
             if STORE_RES:
                 tl.store(r_ptr + row * r_stride + cols, x, mask=keep)
             x = x.to(tl.float32)
-        rstd = 1.0 / tl.sqrt(tl.sum(x * x, axis=0) / n_cols + eps)
+        if LAYER_NORM:  # centred; the variance below is then the biased one (F.layer_norm's)
+            x = tl.where(keep, x - tl.sum(x, axis=0) / n_cols, 0.0)
+        ms = tl.sum(x * x, axis=0) / n_cols + eps
+        if LAYER_NORM and LIBDEVICE:
+            rstd = libdevice.rsqrt(ms)  # __nv_rsqrtf: the rsqrtf of F.layer_norm's CUDA kernel
+        else:
+            rstd = 1.0 / tl.sqrt(ms)  # (the interpreter has no libdevice)
         scale = tl.load(s_ptr + group * s_stride + cols, mask=keep, other=0.0).to(tl.float32)
         if ADD_ONE:
             scale = scale + 1.0
+        if LAYER_NORM:  # the float32 weight rounded to the compute dtype, as the unfused call's cast
+            scale = scale.to(r_ptr.dtype.element_ty).to(tl.float32)
         y = x * rstd * scale
         if HAS_SHIFT:
-            y = y + tl.load(b_ptr + group * b_stride + cols, mask=keep, other=0.0).to(tl.float32)
+            shift = tl.load(b_ptr + group * b_stride + cols, mask=keep, other=0.0).to(tl.float32)
+            if LAYER_NORM:  # the bias likewise
+                shift = shift.to(r_ptr.dtype.element_ty).to(tl.float32)
+            y = y + shift
         # rounded once to the compute dtype, then stored in the output's dtype (float32 for the final norm)
         y = y.to(r_ptr.dtype.element_ty).to(y_ptr.dtype.element_ty)
         tl.store(y_ptr + row * y_stride + cols, y, mask=keep)
@@ -298,6 +315,45 @@ def _group_stride(t: torch.Tensor, batch: int, width: int, name: str) -> int:
     return 0 if t.numel() == width else t.stride(0)
 
 
+def _launch_add_norm(
+    x: torch.Tensor,
+    delta: torch.Tensor | None,
+    scale: torch.Tensor,
+    eps: float,
+    gate: torch.Tensor | None,
+    shift: torch.Tensor | None,
+    add_one: bool,
+    out_dtype: torch.dtype | None,
+    store_residual: bool,
+    layer_norm: bool,
+) -> tuple[torch.Tensor, torch.Tensor] | None:
+    """`_add_norm_kernel` on (B, T, W) x: (r, y) of `add_norm` / `add_layer_norm`; None where it does not serve."""
+    if not triton_serves(x) or x.dim() != 3:
+        return None
+    b, t, w = x.shape
+    xr = _rows(x)
+    dr = _rows(delta) if delta is not None else xr
+    if xr is None or dr is None or (delta is not None and delta.shape != x.shape):
+        return None
+    residual = torch.empty_like(x, memory_format=torch.contiguous_format) if delta is not None else x
+    y = torch.empty(x.shape, dtype=out_dtype or x.dtype, device=x.device)
+    rr, yr = residual.view(-1, w), y.view(-1, w)
+    s_stride = _group_stride(scale, b, w, "scale")
+    g_stride = _group_stride(gate, b, w, "gate") if gate is not None else 0
+    b_stride = _group_stride(shift, b, w, "shift") if shift is not None else 0
+    if xr.shape[0] == 0:
+        return residual, y
+    block = triton.next_power_of_2(w)
+    _add_norm_kernel[(xr.shape[0],)](
+        xr, dr, gate if gate is not None else scale, scale, shift if shift is not None else scale, rr, yr,
+        w, t, xr.stride(0), dr.stride(0), rr.stride(0), yr.stride(0), g_stride, s_stride, b_stride, eps,
+        HAS_DELTA=delta is not None, HAS_GATE=gate is not None, HAS_SHIFT=shift is not None, ADD_ONE=add_one,
+        STORE_RES=store_residual, LAYER_NORM=layer_norm, LIBDEVICE=not INTERPRETED, BLOCK=block,
+        num_warps=min(max(block // 256, 1), 8),
+    )  # fmt: skip
+    return residual, y
+
+
 def add_norm(
     x: torch.Tensor,
     delta: torch.Tensor | None,
@@ -316,29 +372,48 @@ def add_norm(
     `store_residual=False` skips writing r (the final norm; r is then returned unwritten). One Triton kernel
     where `fused_path` holds, the reference elsewhere.
     """
-    if not triton_serves(x) or x.dim() != 3:
-        return add_norm_reference(x, delta, scale, eps, gate, shift, add_one, out_dtype)
-    b, t, w = x.shape
-    xr = _rows(x)
-    dr = _rows(delta) if delta is not None else xr
-    if xr is None or dr is None or (delta is not None and delta.shape != x.shape):
-        return add_norm_reference(x, delta, scale, eps, gate, shift, add_one, out_dtype)
-    residual = torch.empty_like(x, memory_format=torch.contiguous_format) if delta is not None else x
-    y = torch.empty(x.shape, dtype=out_dtype or x.dtype, device=x.device)
-    rr, yr = residual.view(-1, w), y.view(-1, w)
-    s_stride = _group_stride(scale, b, w, "scale")
-    g_stride = _group_stride(gate, b, w, "gate") if gate is not None else 0
-    b_stride = _group_stride(shift, b, w, "shift") if shift is not None else 0
-    if xr.shape[0] == 0:
-        return residual, y
-    block = triton.next_power_of_2(w)
-    _add_norm_kernel[(xr.shape[0],)](
-        xr, dr, gate if gate is not None else scale, scale, shift if shift is not None else scale, rr, yr,
-        w, t, xr.stride(0), dr.stride(0), rr.stride(0), yr.stride(0), g_stride, s_stride, b_stride, eps,
-        HAS_DELTA=delta is not None, HAS_GATE=gate is not None, HAS_SHIFT=shift is not None, ADD_ONE=add_one,
-        STORE_RES=store_residual, BLOCK=block, num_warps=min(max(block // 256, 1), 8),
-    )  # fmt: skip
-    return residual, y
+    out = _launch_add_norm(x, delta, scale, eps, gate, shift, add_one, out_dtype, store_residual, layer_norm=False)
+    return out if out is not None else add_norm_reference(x, delta, scale, eps, gate, shift, add_one, out_dtype)
+
+
+# --------------------------------------------------------------------------------- residual add + LayerNorm
+def add_layer_norm_reference(
+    x: torch.Tensor, delta: torch.Tensor | None, weight: torch.Tensor, bias: torch.Tensor, eps: float
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """What the unfused SigLIP code computes: r = x + delta in x's dtype, y = `siglip.layer_norm_fp32(r)`.
+
+    The add rounds the float32 sum once to x's dtype; the norm is F.layer_norm of r with the float32 weight and
+    bias cast to r's dtype (for half r: float32 mean, biased variance and affine, rounded once).
+    """
+    r = x if delta is None else x + delta
+    return r, F.layer_norm(r, weight.shape, weight.to(r.dtype), bias.to(r.dtype), eps)
+
+
+def add_layer_norm(
+    x: torch.Tensor,
+    delta: torch.Tensor | None,
+    weight: torch.Tensor,
+    bias: torch.Tensor,
+    eps: float,
+    store_residual: bool = True,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Residual add fused with the next LayerNorm (SigLIP's): (r, y) for x, delta (B, T, W), y in x's dtype.
+
+    `weight`, `bias`: the (W,) float32 LayerNorm parameters, read by the kernel itself (no per-call casts).
+    `delta` None: r is x itself (the first norm); `store_residual=False` skips writing r (the final norm; r is
+    then returned unwritten). One `_add_norm_kernel` launch in LayerNorm mode where `fused_path` holds,
+    `add_layer_norm_reference` elsewhere.
+
+    Rounding: what the unfused path computes (`add_layer_norm_reference`), operation for operation as
+    F.layer_norm's vectorized CUDA half kernel: r = x + delta rounded once to x's dtype; float32 mean and biased
+    variance of r, rstd = rsqrtf(var + eps), y = w_h (rstd (r - mean)) + b_h rounded once, where w_h and b_h
+    are the parameters rounded to x's dtype in registers (the values of the unfused call's casts). The one
+    difference left is the float32 summation of mean and variance (a two-pass tree sum here, per-thread Welford
+    updates there): the statistics differ by float32 rounding, so an output can fall on the other side of a
+    half-precision rounding boundary (one ulp, in a small fraction of the elements).
+    """
+    out = _launch_add_norm(x, delta, weight, eps, None, bias, False, None, store_residual, layer_norm=True)
+    return out if out is not None else add_layer_norm_reference(x, delta, weight, bias, eps)
 
 
 # ---------------------------------------------------------------------------------------- RoPE + K/V write

@@ -201,21 +201,32 @@ class Pi05Model(nn.Module):
             torch._foreach_copy_(rows, weights)
 
     # ---------------------------------------------------------------------------------------- prefix
-    def embed_images(self, images: torch.Tensor) -> torch.Tensor:
-        """(B, n, 3, S, S) uint8 or float in [-1, 1] -> (B, n*P, W): all envs x cameras in one vision pass."""
+    def embed_images(self, images: torch.Tensor, fused_kernels: bool = False) -> torch.Tensor:
+        """(B, n, 3, S, S) uint8 or float in [-1, 1] -> (B, n*P, W): all envs x cameras in one vision pass.
+
+        `fused_kernels`: the vision tower's residual adds fused into its LayerNorms where they serve.
+        """
         b, n = images.shape[:2]
         pixels = images.flatten(0, 1)
         if pixels.dtype == torch.uint8:
             pixels = pixels.float() * (2.0 / 255.0) - 1.0
-        feats = self.vision(pixels, backend=self.plan.vision, dtype=self.compute_dtype)
+        feats = self.vision(pixels, backend=self.plan.vision, dtype=self.compute_dtype, fused_kernels=fused_kernels)
         feats = self.projector(feats.to(self.projector.weight.dtype))  # not rescaled (openpi)
         return feats.reshape(b, n * feats.shape[1], feats.shape[2])
 
     def embed_prefix(
-        self, images: torch.Tensor, image_mask: torch.Tensor, tokens: torch.Tensor, token_mask: torch.Tensor
+        self,
+        images: torch.Tensor,
+        image_mask: torch.Tensor,
+        tokens: torch.Tensor,
+        token_mask: torch.Tensor,
+        fused_kernels: bool = False,
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        """Prefix embeddings (B, T, W) in the compute dtype and validity (B, T): [camera tokens | prompt]."""
-        img = self.embed_images(images).to(self.compute_dtype)
+        """Prefix embeddings (B, T, W) in the compute dtype and validity (B, T): [camera tokens | prompt].
+
+        `fused_kernels`: see `embed_images`.
+        """
+        img = self.embed_images(images, fused_kernels).to(self.compute_dtype)
         patches = img.shape[1] // max(images.shape[1], 1)
         text = self.llm.embed(tokens).to(self.compute_dtype)
         valid = torch.cat([image_mask.bool().repeat_interleave(patches, dim=1), token_mask.bool()], dim=1)

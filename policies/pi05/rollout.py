@@ -105,7 +105,7 @@ def run_prefix_stage(
     """
     positions = torch.arange(tokens.shape[1], device=tokens.device)
     token_mask = positions[None, :] < lengths[:, None]
-    emb, valid = model.embed_prefix(images, image_mask, tokens, token_mask)
+    emb, valid = model.embed_prefix(images, image_mask, tokens, token_mask, fused_kernels=fused_kernels)
     need_output = model.config.value_source == "prefix"
     return model.run_prefix(emb, valid, need_output=need_output, kv_out=kv_out, fused_kernels=fused_kernels)
 

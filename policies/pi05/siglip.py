@@ -2,6 +2,8 @@
 
 Parameter names follow transformers' `SiglipVisionModel.vision_model` so checkpoints map by prefix only.
 The stem (patch conv + position embedding) and every LayerNorm run in float32; the blocks in the model dtype.
+With `fused_kernels` (and where `kernels.fused_path` holds: CUDA half precision, no autograd) each residual add
+runs inside the following LayerNorm's kernel (`kernels.add_layer_norm`).
 """
 
 from __future__ import annotations
@@ -10,6 +12,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from . import kernels
 from .attention import attend
 from .config import SiglipConfig
 
@@ -21,6 +24,13 @@ def layer_norm_fp32(x: torch.Tensor, norm: nn.LayerNorm) -> torch.Tensor:
     float32 (the float32 affine parameters are cast to the input dtype, a few KiB).
     """
     return F.layer_norm(x, norm.normalized_shape, norm.weight.to(x.dtype), norm.bias.to(x.dtype), norm.eps)
+
+
+def add_layer_norm(
+    x: torch.Tensor, delta: torch.Tensor | None, norm: nn.LayerNorm, store_residual: bool = True
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """(x + delta, layer_norm_fp32(x + delta)) as one kernel (`kernels.add_layer_norm`); delta None: x itself."""
+    return kernels.add_layer_norm(x, delta, norm.weight, norm.bias, norm.eps, store_residual)
 
 
 class SiglipEmbeddings(nn.Module):
@@ -90,6 +100,18 @@ class SiglipEncoderLayer(nn.Module):
         x = x + self.self_attn(layer_norm_fp32(x, self.layer_norm1), backend)
         return x + self.mlp(layer_norm_fp32(x, self.layer_norm2))
 
+    def forward_fused(
+        self, x: torch.Tensor, delta: torch.Tensor | None, backend: str
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """The block with the pending residual `delta` (the previous block's MLP output) added inside LN1.
+
+        (B, P, width) x and delta (None for the first block) -> (x + delta + attn, this block's MLP output, not
+        yet added: the next block's LN1 or the post-layernorm adds it).
+        """
+        x, h = add_layer_norm(x, delta, self.layer_norm1)
+        x, h = add_layer_norm(x, self.self_attn(h, backend), self.layer_norm2)
+        return x, self.mlp(h)
+
 
 class SiglipEncoder(nn.Module):
     """Stack of encoder layers (container named as in transformers)."""
@@ -116,10 +138,27 @@ class SiglipVisionTower(nn.Module):
         self.encoder = SiglipEncoder(cfg)
         self.post_layernorm = nn.LayerNorm(cfg.width, eps=cfg.eps)
 
-    def forward(self, pixels: torch.Tensor, backend: str = "sdpa", dtype: torch.dtype | None = None) -> torch.Tensor:
-        """(B, 3, S, S) float pixels in [-1, 1] -> (B, P, width) in `dtype` (default: the block weights' dtype)."""
+    def forward(
+        self,
+        pixels: torch.Tensor,
+        backend: str = "sdpa",
+        dtype: torch.dtype | None = None,
+        fused_kernels: bool = False,
+    ) -> torch.Tensor:
+        """(B, 3, S, S) float pixels in [-1, 1] -> (B, P, width) in `dtype` (default: the block weights' dtype).
+
+        `fused_kernels`: each residual add runs inside the next LayerNorm's kernel where `kernels.fused_path`
+        holds (the pending MLP output of block i is added in block i + 1's LN1, the last in the post-layernorm).
+        """
         dtype = dtype or self.encoder.layers[0].mlp.fc1.weight.dtype
-        x = self.embeddings(pixels).to(dtype)
+        x = self.embeddings(pixels)  # float32, laid out (B, width, P) as the patch conv wrote it
+        # the kernels read rows of unit stride: the cast writes them so (values unchanged, the same one kernel)
+        x = x.to(dtype, memory_format=torch.contiguous_format) if fused_kernels else x.to(dtype)
+        if kernels.fused_path(fused_kernels, x):
+            delta = None  # the MLP output not yet added to the residual stream x
+            for layer in self.encoder.layers:
+                x, delta = layer.forward_fused(x, delta, backend)
+            return add_layer_norm(x, delta, self.post_layernorm, store_residual=False)[1]
         for layer in self.encoder.layers:
             x = layer(x, backend)
         return layer_norm_fp32(x, self.post_layernorm)

@@ -95,6 +95,85 @@ def test_add_norm_plain_first_and_final_norms():
 
 
 @interpreted
+@pytest.mark.parametrize("with_delta", [True, False])
+def test_add_layer_norm_matches_reference(with_delta):
+    """Width 72 (not a power of two: masked lanes stay out of the mean and variance), 15 rows, float32 params."""
+    g = torch.Generator().manual_seed(6)
+    b, t, w = 3, 5, 72
+    x = (torch.randn(b, t, w, generator=g) * 3 + 1).bfloat16()  # a non-zero mean, as a residual stream has
+    delta = torch.randn(b, t, w, generator=g).bfloat16() if with_delta else None
+    weight, bias = 1.0 + 0.2 * torch.randn(w, generator=g), 0.1 * torch.randn(w, generator=g)  # float32
+    with torch.no_grad():
+        res, y = kernels.add_layer_norm(x, delta, weight, bias, 1e-6)
+        ref_res, ref_y = kernels.add_layer_norm_reference(x, delta, weight, bias, 1e-6)
+        # parameters that bfloat16 holds exactly: the in-register rounding then agrees with the cast's too (the
+        # interpreter truncates it), and the kernel is within one ulp of the unfused norm of its own residual
+        exact_w, exact_b = weight.bfloat16().float(), bias.bfloat16().float()
+        _, y_exact = kernels.add_layer_norm(x, delta, exact_w, exact_b, 1e-6)
+        own = kernels.add_layer_norm_reference(res, None, exact_w, exact_b, 1e-6)[1]
+    assert res.dtype == y.dtype == torch.bfloat16 and y.shape == x.shape
+    if with_delta:
+        assert within_ulp(res, ref_res)
+    else:
+        assert res is x
+    assert within_ulp(y_exact, own)
+    assert near(y, ref_y, ulps=2)
+    with torch.no_grad():  # the final norm: the residual is not written, y the same
+        _, final = kernels.add_layer_norm(x, delta, weight, bias, 1e-6, store_residual=False)
+    assert torch.equal(final, y)
+
+
+def _vision_tower(dtype: torch.dtype):
+    """The tiny config's SigLIP tower in `dtype` (stem and LayerNorms float32), LayerNorm weights near 1."""
+    from policies.pi05.config import Pi05Config
+    from policies.pi05.model import randomize_parameters_
+    from policies.pi05.siglip import SiglipVisionTower
+
+    tower = randomize_parameters_(SiglipVisionTower(Pi05Config.tiny().vision), 0).to(dtype)
+    tower.embeddings.float()
+    with torch.no_grad():
+        for norm in (m for m in tower.modules() if isinstance(m, torch.nn.LayerNorm)):
+            norm.float().weight.add_(1.0)
+    return tower
+
+
+@interpreted
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_fused_vision_tower_matches_unfused(dtype, monkeypatch):
+    """The tower with each residual add inside the next LayerNorm, against the unfused tower (interpreter).
+
+    Stated bounds, in ulps of the largest output: bfloat16 within 4 (the kernel's arithmetic is the unfused
+    path's, but the interpreter truncates every bfloat16 rounding, of the residual stream, the norm outputs and
+    the parameters, where PyTorch rounds to nearest, and two blocks propagate that); float16, which the
+    interpreter rounds to nearest, within 1, in under 5% of the elements (float32 summation order flipping a
+    rounding). On the GPU bfloat16 rounds to nearest too (`test_kernels_cuda.py`).
+    """
+    tower = _vision_tower(dtype)
+    pixels = torch.rand(3, 3, 224, 224, generator=torch.Generator().manual_seed(7)) * 2 - 1
+    calls = []
+    real = kernels.add_layer_norm
+
+    def spy(*args, **kwargs):
+        calls.append(args[1] is None)
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(kernels, "add_layer_norm", spy)
+    with torch.no_grad():
+        plain = tower(pixels, backend="eager")
+        fused = tower(pixels, backend="eager", fused_kernels=True)
+    depth = len(tower.encoder.layers)
+    assert calls == [True] + [False] * (2 * depth)  # only the first LN1 has no pending residual
+    assert fused.dtype == plain.dtype == dtype and fused.shape == plain.shape
+    ulp = 2**-7 if dtype == torch.bfloat16 else 2**-10
+    err = ((fused.float() - plain.float()).abs().max() / plain.float().abs().max()).item() / ulp
+    assert err <= (4 if dtype == torch.bfloat16 else 1), err
+    if dtype == torch.float16:
+        assert (fused != plain).float().mean() < 0.05
+    with torch.enable_grad():  # autograd keeps the unfused path, bitwise
+        assert torch.equal(tower(pixels, backend="eager", fused_kernels=True), plain)
+
+
+@interpreted
 @pytest.mark.parametrize("need_q", [True, False])
 def test_qkv_rope_writes_rotated_q_k_and_v_into_cache_slots(need_q):
     g = torch.Generator().manual_seed(3)

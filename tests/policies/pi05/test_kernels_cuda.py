@@ -4,6 +4,10 @@ Stated bounds: every bfloat16 output of `add_norm` and `qkv_rope` is within one 
 the float32 formula evaluated on the same inputs (one rounding; the float32 summation order may move a value
 across a rounding boundary, hence one ulp rather than half). `denoise_update` is held to its PyTorch reference
 (`sampler.step_update`): x_{i+1} bitwise, the log-prob within two float32 ulps (its log is libdevice's logf).
+`add_layer_norm`: its residual bitwise the unfused add's, its output within one bfloat16 ulp of the float32 formula
+on the same inputs (the affine parameters as the unfused path casts them) and of the unfused F.layer_norm (which
+it differs from in under 0.1% of the elements), and within 2^-7 of the largest output of a float32 LayerNorm
+with float32 parameters; the fused vision tower within 2^-6 of the largest output of the unfused one.
 """
 
 from __future__ import annotations
@@ -57,6 +61,95 @@ def test_add_norm_matches_float32_formula(rows, width, adaptive):
     assert torch.equal(out32, y.float())  # the final norm's float32 output holds the bfloat16 values
     ref_res, ref_y = kernels.add_norm_reference(x, delta, scale, 1e-6, **kwargs)
     assert (res != ref_res).float().mean() < 1e-3 and (y != ref_y).float().mean() < 1e-2  # the reference
+
+
+@pytest.mark.parametrize(("batch", "width", "with_delta"), [(1, 1152, True), (64 * 3, 1152, True), (3, 1152, False),
+                                                          (4, 72, True)])  # fmt: skip
+def test_add_layer_norm_matches_float32_formula(batch, width, with_delta):
+    """SigLIP's geometry (256 patches of width 1152; batch 64 x 3 cameras) and a width that is not a power of two."""
+    pytest.importorskip("triton")
+    import torch.nn.functional as F
+
+    from policies.pi05 import kernels
+
+    g = torch.Generator(device="cuda").manual_seed(batch + width)
+    x = (torch.randn(batch, 256, width, device="cuda", generator=g) * 4 + 1).bfloat16()
+    delta = torch.randn(batch, 256, width, device="cuda", generator=g).bfloat16() if with_delta else None
+    weight = 1.0 + 0.2 * torch.randn(width, device="cuda", generator=g)  # float32, as the checkpoint's
+    bias = 0.1 * torch.randn(width, device="cuda", generator=g)
+    with torch.no_grad():
+        res, y = kernels.add_layer_norm(x, delta, weight, bias, 1e-6)
+        ref_res, ref_y = kernels.add_layer_norm_reference(x, delta, weight, bias, 1e-6)
+    # the float32 formula on the kernel's residual, with the parameters as the unfused path casts them
+    r = res.float()
+    centred = r - r.mean(-1, keepdim=True)
+    y32 = centred * torch.rsqrt(centred.square().mean(-1, keepdim=True) + 1e-6)
+    y32 = y32 * weight.bfloat16().float() + bias.bfloat16().float()
+    assert torch.equal(res, ref_res)  # one float32 add rounded to nearest, as PyTorch's
+    assert _within_ulp(y, y32), _rel_err(y, y32)
+    assert _within_ulp(y, ref_y), _rel_err(y, ref_y)  # the unfused F.layer_norm: the statistics summed otherwise
+    assert (y != ref_y).float().mean() < 1e-3
+    full = F.layer_norm(r, (width,), weight, bias, 1e-6)  # float32 parameters: what the roundings cost in all
+    err = ((y.float() - full).abs().max() / full.abs().max()).item()
+    assert err < 2**-7, err
+
+
+def _vision_tower(depth: int, width: int = 1152, mlp_dim: int = 4304, num_heads: int = 16):
+    """A bfloat16 SigLIP tower (float32 stem and LayerNorms, LayerNorm weights near 1) of `depth` blocks on CUDA."""
+    from policies.pi05.config import SiglipConfig
+    from policies.pi05.model import randomize_parameters_
+    from policies.pi05.siglip import SiglipVisionTower
+
+    with torch.device("cuda"):
+        tower = SiglipVisionTower(SiglipConfig(width=width, depth=depth, mlp_dim=mlp_dim, num_heads=num_heads))
+    randomize_parameters_(tower, 0, std=0.02).to(torch.bfloat16)
+    tower.embeddings.float()
+    with torch.no_grad():
+        for norm in (m for m in tower.modules() if isinstance(m, torch.nn.LayerNorm)):
+            norm.float().weight.add_(1.0)
+    return tower
+
+
+def test_fused_vision_tower_agrees_with_unfused():
+    """Four So400m-width blocks, 3 images: fused and unfused towers within 2^-6 of the largest output."""
+    pytest.importorskip("triton")
+    tower = _vision_tower(4)
+    pixels = torch.rand(3, 3, 224, 224, device="cuda", generator=torch.Generator(device="cuda").manual_seed(0))
+    with torch.no_grad():
+        plain = tower(pixels * 2 - 1)
+        fused = tower(pixels * 2 - 1, fused_kernels=True)
+    err = ((fused.float() - plain.float()).abs().max() / plain.float().abs().max()).item()
+    assert err < 2**-6, err
+    assert (fused != plain).float().mean() < 0.05
+
+
+def _vision_kernels(depth: int, fused: bool) -> int:
+    """CUDA kernels of one no-grad tower call (batch 1) of a `depth`-block bfloat16 SigLIP tower."""
+    from collections import Counter
+
+    from torch.profiler import ProfilerActivity, profile
+
+    tower = _vision_tower(depth, width=64, mlp_dim=128, num_heads=4)
+    pixels = torch.zeros(1, 3, 224, 224, device="cuda")
+    with torch.no_grad():
+        for _ in range(2):
+            tower(pixels, fused_kernels=fused)
+        torch.cuda.synchronize()
+        with profile(activities=[ProfilerActivity.CUDA]) as prof:
+            tower(pixels, fused_kernels=fused)
+            torch.cuda.synchronize()
+    return sum(Counter(e.name for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA).values())
+
+
+def test_fused_vision_tower_cuts_kernels_per_layer():
+    """Per block (a 2-block minus a 1-block tower): the two adds, two LayerNorms and their four parameter casts
+    (and any layout copies the norms make) become two kernels; outside the blocks the post-layernorm's three
+    become one."""
+    counts = {(d, f): _vision_kernels(d, f) for d in (1, 2) for f in (False, True)}
+    per_layer = {f: counts[2, f] - counts[1, f] for f in (False, True)}
+    assert per_layer[True] <= per_layer[False] - 6, per_layer
+    outside = {f: counts[1, f] - per_layer[f] for f in (False, True)}
+    assert outside[True] <= outside[False] - 2, outside
 
 
 @pytest.mark.parametrize(("batch", "tokens", "need_q"), [(1, 50, True), (8, 1018, True), (2, 300, False)])

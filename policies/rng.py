@@ -4,7 +4,8 @@ Every random input of env i is a pure function of (seed_i, counter_i, draw kind,
 with a vectorised integer hash. There is no generator state, no host sync, and the result for env i does not
 depend on which other envs share the batch, on padding, or on the batch bucket -- so padded/split/grouped
 calls are bit-identical to single-env calls in stochastic modes too. Works inside CUDA graphs (pure tensor
-ops on static buffers).
+ops on static buffers). On CUDA the hash (and the uniform conversion) runs as one Triton kernel
+(`policies.rng_kernel`), bitwise equal to the PyTorch ops of `bits_reference`, which serve everywhere else.
 
 Example:
     >>> import torch
@@ -20,6 +21,8 @@ from __future__ import annotations
 import math
 
 import torch
+
+from policies import rng_kernel
 
 STREAM_X0 = 1
 """Draw kind: the initial noise x_0 of the denoise chain."""
@@ -58,18 +61,25 @@ def _key(seeds: torch.Tensor, counters: torch.Tensor, stream: int) -> torch.Tens
     return _mix32(h ^ (stream * 0x27D4EB2F & _MASK32))
 
 
-def _bits(seeds: torch.Tensor, counters: torch.Tensor, stream: int, numel: int) -> torch.Tensor:
-    """(N, numel) independent 32-bit values."""
+def bits_reference(seeds: torch.Tensor, counters: torch.Tensor, stream: int, numel: int) -> torch.Tensor:
+    """(N, numel) independent 32-bit values (int64), as PyTorch ops: the definition `rng_kernel.bits` computes."""
     key = _key(seeds, counters, stream)[:, None]
     idx = torch.arange(numel, device=key.device, dtype=torch.int64)[None, :]
     return _mix32(_mix32(idx ^ key) ^ (key * 0x165667B1 & _MASK32))
 
 
 def uniform(seeds: torch.Tensor, counters: torch.Tensor, stream: int, shape: tuple[int, ...]) -> torch.Tensor:
-    """(N, *shape) float32 uniforms in the open interval (0, 1)."""
+    """(N, *shape) float32 uniforms in (0, 1] (1.0 with probability 2^-24: the + 0.5 of the top value ties to even).
+
+    The hash and this conversion run as one kernel where `rng_kernel` serves (CUDA), else as `bits_reference`'s
+    PyTorch ops; the two are bitwise equal.
+    """
     numel = math.prod(shape)
-    bits = _bits(seeds, counters, stream, numel) >> 8  # 24 bits
-    u = (bits.to(torch.float32) + 0.5) * (1.0 / 16777216.0)
+    if rng_kernel.serves(seeds, counters, numel):
+        u = rng_kernel.bits(seeds, counters, stream, numel, uniform=True)
+    else:
+        bits = bits_reference(seeds, counters, stream, numel) >> 8  # 24 bits
+        u = (bits.to(torch.float32) + 0.5) * (1.0 / 16777216.0)
     return u.reshape(seeds.shape[0], *shape)
 
 

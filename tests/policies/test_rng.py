@@ -1,16 +1,63 @@
-"""Counter-based random streams (DESIGN C3): batch-composition independence, distinctness, moments, ranges."""
+"""Counter-based random streams (DESIGN C3): batch-composition independence, distinctness, moments, ranges.
+
+The hash kernel (`policies.rng_kernel`) is held bitwise to the PyTorch ops (`rng.bits_reference`) by Triton's
+CPU interpreter, which needs triton installed and ``TRITON_INTERPRET=1`` set before import:
+
+    TRITON_INTERPRET=1 PYTHONPATH=$PWD python -m pytest -q tests/policies/test_rng.py
+
+A plain pytest run with triton installed runs this file once more in such a subprocess (`test_interpreter_run`),
+so every draw test below then goes through the kernel too; without triton (CI) the kernel tests skip. The
+``cuda``-marked tests hold the compiled kernel to the same ops on the GPU, in and out of a CUDA graph.
+"""
 
 from __future__ import annotations
 
+import importlib.util
 import math
+import os
+import subprocess
+import sys
+from collections.abc import Callable
+from pathlib import Path
 
 import pytest
 import torch
 
-from policies import rng
+from policies import rng, rng_kernel
 
 SHAPE = (3, 4, 5)
 STREAMS = (rng.STREAM_X0, rng.STREAM_XI, rng.STREAM_J, rng.STREAM_AUX)
+HAS_TRITON = importlib.util.find_spec("triton") is not None
+ROOT = Path(__file__).resolve().parents[2]
+interpreted = pytest.mark.skipif(
+    not rng_kernel.INTERPRETED,
+    reason="needs triton and TRITON_INTERPRET=1 at import (run by test_interpreter_run when triton is installed)",
+)
+
+
+def on_cuda(test: Callable) -> Callable:
+    """A GPU test of the compiled kernel: marked `cuda` (benchmarks/gpu_suite.py runs them), else skipped."""
+    test = pytest.mark.skipif(not HAS_TRITON, reason="needs triton (the kernel under test)")(test)
+    test = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU (run by gpu_suite)")(test)
+    return pytest.mark.cuda(test)
+
+
+# 64-bit seeds and counters around every 32-bit boundary, negative ones included
+SEEDS = torch.tensor([0, 1, -1, -5, 2**31, 2**32 - 1, 2**32, 2**40 + 3, 2**63 - 1, -(2**63), 7, 123456789])
+COUNTERS = torch.tensor([0, 3, 2**33, -1, 7, 2**32 + 1, 5, 2**63 - 1, -(2**63), 1, 2**32 - 1, 0])
+# (N, numel, stream): one element, a row shorter than a block, rows straddling blocks, odd and 64-bit streams
+CASES = [
+    (1, 1, rng.STREAM_J),
+    (12, 1, rng.STREAM_J),
+    (12, 5, rng.STREAM_X0),
+    (3, 1023, rng.STREAM_XI),
+    (12, 1025, rng.STREAM_AUX),
+    (5, 3200, rng.STREAM_XI),
+    (12, 77, 0),
+    (12, 77, -3),
+    (12, 77, 2**31 + 5),
+    (12, 77, 2**40 + 1),
+]
 
 
 def draw(seeds, counters, stream=rng.STREAM_X0, shape=SHAPE):
@@ -131,3 +178,124 @@ def test_stream_table_take_set_and_grow() -> None:
     seeds, counters = table.state()
     seeds[0] = -1
     assert table.seeds[0] == 100
+
+
+def test_kernel_serves_integer_vectors_only() -> None:
+    served = HAS_TRITON and rng_kernel.INTERPRETED  # CPU tensors: only under the interpreter
+    assert rng_kernel.serves(SEEDS, COUNTERS, 8) == served
+    assert not rng_kernel.serves(SEEDS.double(), COUNTERS, 8)  # float seeds: the PyTorch ops truncate them
+    assert not rng_kernel.serves(SEEDS, COUNTERS[:3], 8)
+    assert not rng_kernel.serves(SEEDS[:4].view(2, 2), COUNTERS[:4].view(2, 2), 8)
+
+
+# ------------------------------------------------------------------------------- the kernel (interpreter)
+@pytest.mark.skipif(not HAS_TRITON or rng_kernel.INTERPRETED or torch.cuda.is_available(),
+                    reason="needs triton on a CPU-only machine; runs this file under the interpreter")  # fmt: skip
+def test_interpreter_run() -> None:
+    env = {**os.environ, "TRITON_INTERPRET": "1", "PYTHONPATH": str(ROOT)}
+    cmd = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-m", "not cuda",
+           "-k", "not test_interpreter_run", str(Path(__file__))]  # fmt: skip
+    proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=900)
+    assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-2000:]
+    assert " passed" in proc.stdout and "skipped" not in proc.stdout.splitlines()[-1], proc.stdout[-2000:]
+
+
+def uniform_of(bits: torch.Tensor) -> torch.Tensor:
+    """`rng.uniform`'s conversion of 32-bit values, as PyTorch ops."""
+    return ((bits >> 8).to(torch.float32) + 0.5) * (1.0 / 16777216.0)
+
+
+def same_bits(got: torch.Tensor, want: torch.Tensor) -> bool:
+    """Equal dtype, shape and bit pattern (float32 compared as its int32 bits)."""
+    if got.dtype == torch.float32 and want.dtype == torch.float32:
+        got, want = got.view(torch.int32), want.view(torch.int32)
+    return got.dtype == want.dtype and torch.equal(got, want)
+
+
+@interpreted
+@pytest.mark.parametrize(("n", "numel", "stream"), CASES)
+def test_kernel_bits_match_pytorch_ops(n: int, numel: int, stream: int) -> None:
+    seeds, counters = SEEDS[:n], COUNTERS[:n]
+    want = rng.bits_reference(seeds, counters, stream, numel)
+    assert same_bits(rng_kernel.bits(seeds, counters, stream, numel), want)
+    assert same_bits(rng_kernel.bits(seeds, counters, stream, numel, uniform=True), uniform_of(want))
+
+
+@interpreted
+def test_kernel_reads_any_integer_dtype_and_strides() -> None:
+    seeds, counters = torch.arange(-20, 20, 3, dtype=torch.int32), torch.arange(14, dtype=torch.int32) * 99991
+    for s, c in [(seeds, counters), (seeds.to(torch.int16), counters.to(torch.uint8)),
+                 (SEEDS[::2], COUNTERS[1::2]), (SEEDS, torch.tensor(2**45 + 1).expand(len(SEEDS)))]:  # fmt: skip
+        assert rng_kernel.serves(s, c, 50)
+        assert same_bits(rng_kernel.bits(s, c, rng.STREAM_AUX, 50), rng.bits_reference(s, c, rng.STREAM_AUX, 50))
+    empty = torch.zeros(0, dtype=torch.int64)
+    assert rng_kernel.bits(empty, empty, rng.STREAM_X0, 7).shape == (0, 7)
+    assert rng.normal(SEEDS, COUNTERS, rng.STREAM_X0, (0, 3)).shape == (len(SEEDS), 0, 3)
+
+
+def draws(seeds: torch.Tensor, counters: torch.Tensor, python_high: bool = True) -> list[torch.Tensor]:
+    """What a rollout draws (`sampler.draw_noise`, `sampler.controls`), plus odd shapes and per-env bounds.
+
+    `python_high`: also a randint with a Python bound (its host-to-device copy cannot be captured in a graph).
+    """
+    device = seeds.device
+    out = [
+        rng.normal(seeds, counters, rng.STREAM_X0, (50, 32)),
+        rng.normal(seeds, counters, rng.STREAM_XI, (10, 50, 32)),
+        rng.normal(seeds, counters, rng.STREAM_AUX, (3, 7)),
+        rng.uniform(seeds, counters, rng.STREAM_AUX, (1029,)),
+        rng.randint(seeds, counters, rng.STREAM_J, torch.full((), 10.0, device=device)),
+        rng.randint(seeds, counters, rng.STREAM_J, torch.arange(1, len(seeds) + 1, device=device).float()),
+    ]
+    return out + [rng.randint(seeds, counters, rng.STREAM_J, 3)] if python_high else out
+
+
+@interpreted
+def test_kernel_draws_equal_pytorch_draws(monkeypatch: pytest.MonkeyPatch) -> None:
+    assert rng_kernel.serves(SEEDS, COUNTERS, 1)
+    fused = draws(SEEDS, COUNTERS)
+    monkeypatch.setattr(rng_kernel, "serves", lambda *args: False)  # the PyTorch ops, as without triton
+    for got, want in zip(fused, draws(SEEDS, COUNTERS), strict=True):
+        assert same_bits(got, want)
+
+
+# ------------------------------------------------------------------------------- the kernel on the GPU
+@on_cuda
+@pytest.mark.parametrize(("n", "numel", "stream"), CASES)
+def test_cuda_kernel_bits_match_pytorch_ops(n: int, numel: int, stream: int) -> None:
+    seeds, counters = SEEDS[:n].cuda(), COUNTERS[:n].cuda()
+    assert rng_kernel.serves(seeds, counters, numel)
+    want = rng.bits_reference(seeds, counters, stream, numel)
+    assert torch.equal(want.cpu(), rng.bits_reference(SEEDS[:n], COUNTERS[:n], stream, numel))  # integers: exact
+    assert same_bits(rng_kernel.bits(seeds, counters, stream, numel), want)
+    assert same_bits(rng_kernel.bits(seeds, counters, stream, numel, uniform=True), uniform_of(want))
+
+
+@on_cuda
+def test_cuda_kernel_draws_equal_pytorch_draws(monkeypatch: pytest.MonkeyPatch) -> None:
+    seeds, counters = SEEDS.cuda(), COUNTERS.cuda()
+    fused = draws(seeds, counters)
+    monkeypatch.setattr(rng_kernel, "serves", lambda *args: False)
+    for got, want in zip(fused, draws(seeds, counters), strict=True):
+        assert same_bits(got, want)
+
+
+@on_cuda
+def test_cuda_kernel_in_graph_replays_eager_draws() -> None:
+    n = 8
+    seeds = torch.arange(n, dtype=torch.int64, device="cuda") * 7919 - 3
+    counters = torch.zeros(n, dtype=torch.int64, device="cuda")
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):  # warm-up: compiles the kernel outside the capture
+        draws(seeds, counters, python_high=False)
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        static_out = draws(seeds, counters, python_high=False)  # outputs alias the graph's memory
+    for step in range(3):  # new streams written into the static inputs, as the scheduler does
+        seeds.copy_(torch.arange(n, device="cuda") * (step + 11) + 2**40 * step - 5)
+        counters.fill_(step * 2**32 + step)
+        graph.replay()
+        for got, want in zip(static_out, draws(seeds, counters, python_high=False), strict=True):
+            assert same_bits(got, want)

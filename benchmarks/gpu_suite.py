@@ -126,6 +126,8 @@ SECTIONS: dict[str, Section] = {
     "attention_expert": section("benchmarks.bench_attention_backend", sites=("expert",)),
     "skinny_gemm": section("benchmarks.bench_skinny_gemm"),
     "profile_a1": section("benchmarks.profile_policy", plan=(("a", (1,)),)),
+    "profile_targets": section("benchmarks.profile_policy", plan=(("a", (1, 64)), ("b", (64,))), copies=True),
+    "attention_lm": section("benchmarks.bench_attention_backend", sites=("prefix", "expert")),
 }
 """Section name -> function of the output folder, in the order ``--sections`` defaults to."""
 

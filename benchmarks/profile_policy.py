@@ -92,7 +92,35 @@ def _runner(sched, stage: str, key: tuple, graphs: bool):
     return eager
 
 
-def run(out: Path | None = None, plan=(("a", (1, 64)), ("b", (1, 64)))) -> list[dict]:
+COPY_OPS = ("aten::copy_", "aten::_to_copy", "aten::clone", "aten::contiguous", "aten::cat", "aten::flip")
+
+
+def copy_sources(run_eager, reps: int = 2) -> list[dict]:
+    """Which source lines of the eager stage issue copies: per (op, input shapes, project frame) the GPU time per
+    call, the 15 largest."""
+    from torch.profiler import ProfilerActivity, profile
+
+    run_eager()
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA], record_shapes=True, with_stack=True) as prof:
+        for _ in range(reps):
+            run_eager()
+        torch.cuda.synchronize()
+    totals: dict[tuple, list[float]] = defaultdict(lambda: [0.0, 0])
+    for e in prof.events():
+        if e.device_type != torch.autograd.DeviceType.CPU or e.name not in COPY_OPS:
+            continue
+        frames = [f for f in (e.stack or []) if "policies/" in f or "benchmarks/" in f]
+        key = (e.name, str(e.input_shapes)[:120], frames[0] if frames else "?")
+        us = e.device_time_total if hasattr(e, "device_time_total") else e.cuda_time_total
+        totals[key][0] += us / reps
+        totals[key][1] += 1 / reps
+    top = sorted(totals.items(), key=lambda kv: -kv[1][0])[:15]
+    return [{"op": k[0], "shapes": k[1], "frame": k[2][-160:], "ms": round(v[0] / 1e3, 3), "count": round(v[1], 1)}
+            for k, v in top]  # fmt: skip
+
+
+def run(out: Path | None = None, plan=(("a", (1, 64)), ("b", (1, 64))), copies: bool = False) -> list[dict]:
     """Profile the prefix and denoise replays of each (case, batches); appends rows to ``profile.jsonl``."""
     rows = []
     config = Pi05Config.pi05_base()
@@ -114,6 +142,10 @@ def run(out: Path | None = None, plan=(("a", (1, 64)), ("b", (1, 64)))) -> list[
                     result = profile_stage(_runner(sched, stage, key, graphs=False))
                     mode = "eager stage on the same buffers (graph kernels not visible to the profiler)"
                 rows += write_rows(BENCH, [{"case": name, "batch": n, "stage": stage, "mode": mode, **result}], out)
+                if copies:  # nested copies (e.g. a clone's copy_) count under each op
+                    found = copy_sources(_runner(sched, stage, key, graphs=False))
+                    row = {"case": name, "batch": n, "stage": stage, "mode": "copy sources (eager)", "copies": found}
+                    rows += write_rows(BENCH, [row], out)
         del policy
         torch.cuda.empty_cache()
     return rows

@@ -16,8 +16,9 @@ scores as the rollout's graphs do.
 
 The "triton" backend is the same folded-row attention as one Triton kernel (`attention_kernel`: an online
 softmax split over the keys, plus a combine kernel at small batches) in place of "gemm"'s five; it serves
-forward-only CUDA half calls with one K/V head up to `GEMM_MAX_SCORES` and hands every other call to "gemm"
-(hence SDPA above it: at batch 64 SDPA measured faster).
+forward-only CUDA half calls with one K/V head at any size (it holds no score tensor) and hands every other call
+(autograd, several K/V heads) to "gemm". "triton_small" runs it up to `TRITON_SMALL_MAX_SCORES` score elements and
+hands larger calls to "flash_large": what the prefix LM uses.
 
 The "flash" backend is FlashAttention-4 (`flash_attn.cute`, the CuTe-DSL kernels of the ``flash-attn-4``
 distribution; see `flash_attn_status`). Key validity reaches it as lengths: the keys are a set (RoPE is already in
@@ -53,7 +54,7 @@ from . import attention_kernel, kernels
 MASK_VALUE = -2.3819763e38
 """Additive mask value for disallowed keys (finite, as openpi and LeRobot)."""
 
-BACKENDS = ("eager", "sdpa", "flash", "flash_large", "gemm", "triton")
+BACKENDS = ("eager", "sdpa", "flash", "flash_large", "gemm", "triton", "triton_small")
 SITES = ("vision", "prefix", "expert")
 
 
@@ -144,6 +145,11 @@ GEMM_MAX_SCORES = 1 << 22
 tensor's memory traffic then outweighs the fused kernel's poor occupancy (the crossover is measured by
 `benchmarks/bench_expert_attention.py`)."""
 
+TRITON_SMALL_MAX_SCORES = 1 << 23
+"""Up to this many score elements "triton_small" runs the Triton kernel, above it "flash_large". Measured on the H200
+(`attention_backend.jsonl`, the masked prefix LM): the kernel took 47 / 29 us against SDPA's 59 / 40 at batch 1 (7.5 M
+/ 2.5 M score elements, cases (a) / (b)) and 2,685 / 971 us against 1,730 / 733 at batch 64 (482 M / 161 M)."""
+
 FLASH_MIN_SCORES = 1 << 26
 """At or above this many score elements "flash_large" runs FlashAttention-4, below it SDPA. Measured on the H200
 (`attention_backend.jsonl`): the masked prefix ran 2.0x / 1.8x faster under flash than SDPA at batch 64 (482 M / 161
@@ -228,8 +234,7 @@ def triton_shape_status(
 
 
 def _triton(q, k, v, key_mask, scale):
-    b, n, t, _ = q.shape
-    if not (attention_kernel.serves(q, k, v) and gemm_serves(b, n, k.shape[1], t, k.shape[2])):
+    if not attention_kernel.serves(q, k, v):
         return _gemm(q, k, v, key_mask, scale)
     if key_mask is not None and key_mask.dtype == torch.bool:
         key_mask = additive_mask(key_mask, torch.float32)
@@ -346,9 +351,13 @@ def served_by(
     A hand-over says why, e.g. ``sdpa (flash: autograd call ...)``. The flash probe is not run here: its result is
     reported once it ran (`flash_probe_result`).
     """
+    if backend == "triton_small":
+        if batch * heads * queries * keys > TRITON_SMALL_MAX_SCORES:
+            inner = served_by("flash_large", device, dtype, batch, heads, kv_heads, queries, keys, head_dim, grad)
+            return f"{inner} (triton_small: above TRITON_SMALL_MAX_SCORES)"
+        backend = "triton"
     if backend == "triton":
-        reason = triton_shape_status(device, dtype, kv_heads, head_dim, grad)
-        if reason is None and gemm_serves(batch, heads, kv_heads, queries, keys):
+        if triton_shape_status(device, dtype, kv_heads, head_dim, grad) is None:
             return "triton"
         backend = "gemm"
     if backend == "gemm":
@@ -393,20 +402,24 @@ def attend(
         return _gemm(q, k, v, key_mask, scale)
     if backend == "triton":
         return _triton(q, k, v, key_mask, scale)
+    if backend == "triton_small":
+        small = q.shape[0] * q.shape[1] * q.shape[2] * k.shape[2] <= TRITON_SMALL_MAX_SCORES
+        return _triton(q, k, v, key_mask, scale) if small else attend(q, k, v, key_mask, scale, "flash_large")
     return _eager(q, k, v, key_mask, scale)
 
 
 @dataclass
 class AttentionConfig:
-    """Which backend each call site asks for: "auto", "eager", "sdpa", "flash", "flash_large", "gemm" or "triton".
+    """Which backend each call site asks for: "auto" or one of `BACKENDS`.
 
-    "auto" follows the H200 measurements (`attention_backend.jsonl`): for the prefix "flash_large", i.e.
-    FlashAttention-4 at or above `FLASH_MIN_SCORES` score elements where it runs (CUDA sm90/sm100, a half dtype,
-    `flash_attn.cute` importable) and SDPA below; for the expert on CUDA "triton" (short query blocks against the
-    prefix cache as one Triton kernel; autograd calls go to "gemm") where triton is installed, else "gemm"; SDPA
-    for the vision tower and everywhere else. A request that cannot be served falls back (flash -> sdpa, triton ->
-    gemm) and the fallback is recorded in `AttentionPlan.reasons`; `AttentionPlan.flash` says which flash kernel
-    runs, or why none does.
+    "auto" follows the H200 measurements (`attention_backend.jsonl`): for the prefix on CUDA "triton_small" where triton
+    is installed (the Triton kernel up to `TRITON_SMALL_MAX_SCORES` score elements: batch 1), above it and without
+    triton "flash_large", i.e. FlashAttention-4 at or above `FLASH_MIN_SCORES` where it runs (CUDA sm90/sm100, a half
+    dtype, `flash_attn.cute` importable) and SDPA below; for the expert on CUDA "triton" (short query blocks against the
+    prefix cache as one Triton kernel, faster than SDPA at batch 1 and 64; autograd calls go to "gemm") where triton is
+    installed, else "gemm"; SDPA for the vision tower and everywhere else. A request that cannot be served falls back
+    (flash -> sdpa, triton -> gemm) and the fallback is recorded in `AttentionPlan.reasons`; `AttentionPlan.flash` says
+    which flash kernel runs, or why none does.
 
     Example:
         >>> plan = AttentionConfig(prefix="eager").resolve(torch.device("cpu"), torch.float32)
@@ -440,6 +453,10 @@ class AttentionConfig:
             if want == "auto":
                 if site == "expert" and device.type == "cuda":
                     choice = "triton" if kernels.HAS_TRITON else "gemm"
+                elif site == "prefix" and device.type == "cuda" and kernels.HAS_TRITON:
+                    choice = "triton_small"
+                    if no_flash is not None:
+                        plan.reasons[site] = f"auto: large calls to sdpa, flash not run ({no_flash})"
                 elif site == "prefix" and no_flash is None:
                     choice = "flash_large"
                 else:

@@ -313,7 +313,7 @@ def load_weights(
         for name, tensor in staged.items():
             params[name].copy_(tensor.to(params[name].dtype))
             report.loaded.append(name)
-    refresh = getattr(model, "refresh_fused_expert", None)  # a live Pi05Model's fused expert copy
+    refresh = getattr(model, "refresh_fused_weights", None)  # a live Pi05Model's fused weight copies
     if refresh is not None:
         refresh()
     return report

@@ -103,6 +103,8 @@ class Pi05Model(nn.Module):
         if cfg.noise_head:
             self.noise_head = NoiseHead(cfg.expert.width, cfg.noise_hidden, cfg.action_dim, cfg.noise_std_range)
         self.fused_expert: list[tuple[torch.Tensor, torch.Tensor]] | None = None
+        self.fused_prefix: list[torch.Tensor] | None = None  # the LM's [q;k;v] per layer
+        self.fused_vision: list[tuple[torch.Tensor, torch.Tensor]] | None = None  # SigLIP's [q;k;v] weight, bias
         self.attention_config = attention or AttentionConfig()
         self.plan: AttentionPlan = self.attention_config.resolve(torch.device("cpu"), torch.float32)
 
@@ -152,51 +154,62 @@ class Pi05Model(nn.Module):
         self.plan = self.attention_config.resolve(device, self.compute_dtype)
         return self.plan
 
-    def build_fused_expert(self) -> None:
-        """[q;k;v] and [gate;up] weights of every expert layer in one buffer each, for the no-grad rollout path.
+    def build_fused_weights(self) -> None:
+        """One buffer each for the [q;k;v] weights of every layer (expert, LM, SigLIP) and every expert [gate;up].
 
-        Three GEMMs become one and RoPE runs once for q and k, per layer and denoise step. The buffers are a copy
-        derived from the weights, like the modulation tables: a weight commit (and `load_weights`) refreshes them
-        with `refresh_fused_expert()`; after any other in-place change of the weights (an optimizer step on a
-        model that also rolls out) call `Pi05Scheduler.refresh_tables()`. Building again (a second scheduler on
-        the same model) refreshes instead of replacing, since graphs captured by the first read this storage.
-        Call it before capturing graphs.
+        They serve the no-grad rollout path: three GEMMs become one (and in the expert RoPE runs once for q and k), per
+        layer. The buffers are a copy derived from the weights, like the modulation tables: a weight commit (and
+        `load_weights`) refreshes them with `refresh_fused_weights()`; after any other in-place change of the weights
+        (an optimizer step on a model that also rolls out) call `Pi05Scheduler.refresh_tables()`. Building again (a
+        second scheduler on the same model) refreshes instead of replacing, since graphs captured by the first read this
+        storage. Call it before capturing graphs. The LM's [gate;up] is not fused: at 134 MB a layer the copy would cost
+        2.4 GB for GEMMs that already run near cuBLAS's peak at the prefix's M.
         """
         if self.fused_expert is not None:  # shared by every scheduler of this model: captured graphs hold them
-            self.refresh_fused_expert()
+            self.refresh_fused_weights()
             return
         with torch.no_grad():
             self.fused_expert = [
                 (layer.self_attn.fused_weight(), layer.mlp.fused_weight()) for layer in self.expert.layers
             ]
+            self.fused_prefix = [layer.self_attn.fused_weight() for layer in self.llm.layers]
+            self.fused_vision = [layer.self_attn.fused_weight() for layer in self.vision.encoder.layers]
 
-    def _fused_usable(self, x: torch.Tensor) -> bool:
-        """The fused buffers serve a no-grad call while they match the live weights' dtype and device.
+    def _fused_usable(self, dtype: torch.dtype) -> bool:
+        """The fused buffers serve a no-grad call in `dtype` while they match the live weights' dtype and device.
 
         After `model.to(...)`/`.double()` they no longer do (they are plain tensors, not converted), and the
-        unfused weights are used until `build_fused_expert()` runs again.
+        unfused weights are used until `build_fused_weights()` runs again.
         """
         if self.fused_expert is None or torch.is_grad_enabled():
             return False
         qkv = self.fused_expert[0][0]
         weight = self.expert.layers[0].self_attn.q_proj.weight
-        return qkv.dtype == weight.dtype == x.dtype and qkv.device == weight.device
+        return qkv.dtype == weight.dtype == dtype and qkv.device == weight.device
 
-    def refresh_fused_expert(self) -> None:
-        """Copy every q, k, v, gate and up weight into its rows of the fused buffers (one multi-tensor copy).
+    def refresh_fused_weights(self) -> None:
+        """Copy every fused weight's parts into its rows of the buffers (one multi-tensor copy).
 
         Storage is kept, so captured graphs stay valid; nothing to do without fused buffers.
         """
-        if self.fused_expert is None:
+        if self.fused_expert is None or self.fused_prefix is None or self.fused_vision is None:
             return
+        pairs: list[tuple[torch.Tensor, list[torch.Tensor]]] = []  # (buffer, its parts in `fused_weight()` order)
+        for (qkv, mlp), layer in zip(self.fused_expert, self.expert.layers):
+            attn, ffn = layer.self_attn, layer.mlp
+            pairs += [(qkv, [attn.q_proj.weight, attn.k_proj.weight, attn.v_proj.weight]),
+                      (mlp, [ffn.gate_proj.weight, ffn.up_proj.weight])]  # fmt: skip
+        for qkv, layer in zip(self.fused_prefix, self.llm.layers):
+            attn = layer.self_attn
+            pairs.append((qkv, [attn.q_proj.weight, attn.k_proj.weight, attn.v_proj.weight]))
+        for (weight, bias), layer in zip(self.fused_vision, self.vision.encoder.layers):
+            projs = (layer.self_attn.q_proj, layer.self_attn.k_proj, layer.self_attn.v_proj)
+            pairs += [(weight, [p.weight for p in projs]), (bias, [p.bias for p in projs])]
         rows: list[torch.Tensor] = []
         weights: list[torch.Tensor] = []
-        for (qkv, mlp), layer in zip(self.fused_expert, self.expert.layers):
-            attn, ffn = layer.self_attn, layer.mlp  # row order as in `fused_weight()`
-            for buf, parts in ((qkv, [attn.q_proj.weight, attn.k_proj.weight, attn.v_proj.weight]),
-                               (mlp, [ffn.gate_proj.weight, ffn.up_proj.weight])):  # fmt: skip
-                rows += buf.split([w.shape[0] for w in parts])
-                weights += parts
+        for buf, parts in pairs:
+            rows += buf.split([w.shape[0] for w in parts])
+            weights += parts
         with torch.no_grad():
             torch._foreach_copy_(rows, weights)
 
@@ -210,7 +223,9 @@ class Pi05Model(nn.Module):
         pixels = images.flatten(0, 1)
         if pixels.dtype == torch.uint8:
             pixels = pixels.float() * (2.0 / 255.0) - 1.0
-        feats = self.vision(pixels, backend=self.plan.vision, dtype=self.compute_dtype, fused_kernels=fused_kernels)
+        qkv = self.fused_vision if fused_kernels and self._fused_usable(self.compute_dtype) else None
+        feats = self.vision(pixels, backend=self.plan.vision, dtype=self.compute_dtype, fused_kernels=fused_kernels,
+                            fused_qkv=qkv)  # fmt: skip
         feats = self.projector(feats.to(self.projector.weight.dtype))  # not rescaled (openpi)
         return feats.reshape(b, n * feats.shape[1], feats.shape[2])
 
@@ -283,8 +298,9 @@ class Pi05Model(nn.Module):
     ) -> PrefixCache:
         """`run_prefix` with each residual add fused into the next norm and RoPE fused with the K/V writes.
 
-        Per layer: add+norm, q/k/v GEMMs, one RoPE kernel writing q (token-major) and K/V into their cache slots,
-        attention, o GEMM, add+norm, the MLP. Same math as the unfused loop, rounded once per kernel.
+        Per layer: add+norm, the q/k/v GEMMs (one, from `fused_prefix`, where the fused buffers serve), one RoPE kernel
+        writing q (token-major) and K/V into their cache slots, attention, o GEMM, add+norm, the MLP. Same math as the
+        unfused loop, rounded once per kernel.
         """
         cfg = self.config.llm
         b, t, _ = emb.shape
@@ -296,6 +312,7 @@ class Pi05Model(nn.Module):
         keys: list[torch.Tensor] = []
         values: list[torch.Tensor] = []
         x, delta = emb, None  # delta: the MLP output not yet added to the residual stream x
+        fused = self.fused_prefix if self._fused_usable(emb.dtype) else None
         for i, layer in enumerate(self.llm.layers):
             last = i == len(self.llm.layers) - 1
             need_q = not last or need_output
@@ -307,8 +324,12 @@ class Pi05Model(nn.Module):
                 k_dst = torch.empty(b, nkv, t, hd, dtype=emb.dtype, device=emb.device)
                 v_dst = torch.empty_like(k_dst)
             q = torch.empty(b, t, n, hd, dtype=emb.dtype, device=emb.device) if need_q else None
-            q_src = attn.q_proj(h).view(b, t, n, hd) if need_q else None
-            k_src, v_src = attn.k_proj(h).view(b, t, nkv, hd), attn.v_proj(h).view(b, t, nkv, hd)
+            if fused is not None:  # one GEMM: [q;k;v], or the [k;v] rows when q is not needed
+                y = F.linear(h, fused[i] if need_q else fused[i][n * hd :]).view(b, t, -1, hd)
+                q_src, k_src, v_src = y[:, :, :n] if need_q else None, y[:, :, -2 * nkv : -nkv], y[:, :, -nkv:]
+            else:
+                q_src = attn.q_proj(h).view(b, t, n, hd) if need_q else None
+                k_src, v_src = attn.k_proj(h).view(b, t, nkv, hd), attn.v_proj(h).view(b, t, nkv, hd)
             kernels.qkv_rope(q_src, k_src, v_src, cos, sin, q, k_dst.transpose(1, 2), v_dst.transpose(1, 2))
             keys.append(k_dst)
             values.append(v_dst)
@@ -387,20 +408,21 @@ class Pi05Model(nn.Module):
         """
         cfg = self.config.expert
         b, h, _ = x_t.shape
-        x = self.action_in_proj(x_t.to(upcast_dtype(self.action_in_proj.weight.dtype))).to(self.compute_dtype)
+        x_t = x_t.to(upcast_dtype(self.action_in_proj.weight.dtype))
+        x = kernels.linear_fp32(x_t, self.action_in_proj, self.compute_dtype, enabled=self._fast_fp32(fused_kernels))
         if cache.suffix_rope is None:  # positions and mask are the same at every denoise step: build once
             positions = cache.num_valid[:, None] + torch.arange(h, device=x_t.device)[None, :]
             cache.suffix_rope = rope_cos_sin(positions, cfg.head_dim, cfg.rope_theta, x.dtype)
             valid = torch.cat([cache.key_mask, torch.ones(b, h, dtype=torch.bool, device=x_t.device)], dim=1)
             # "gemm" and "triton" add the mask to float32 scores; SDPA and flash take it in the compute dtype
-            gemm = self.plan.expert in ("gemm", "triton") and gemm_serves(
+            gemm = self.plan.expert == "triton" or self.plan.expert == "gemm" and gemm_serves(
                 b, cfg.num_heads, cfg.num_kv_heads, h, valid.shape[1], torch.is_grad_enabled()
             )
             cache.suffix_mask = additive_mask(valid, torch.float32 if gemm else x.dtype)
         cos, sin = cache.suffix_rope
         key_mask = cache.suffix_mask
         scale = cfg.head_dim**-0.5
-        if fused is None and use_fused and self._fused_usable(x):
+        if fused is None and use_fused and self._fused_usable(x.dtype):
             fused = self.fused_expert
         if fused is not None and cache.suffix_offset is not None and kernels.fused_path(fused_kernels, x):
             return self._expert_layers_fused(cache, x, mods, fused)
@@ -460,9 +482,16 @@ class Pi05Model(nn.Module):
                                   store_residual=False)  # fmt: skip
         return out
 
-    def velocity(self, suffix_out: torch.Tensor) -> torch.Tensor:
-        """Expert output (B, H, We) -> velocity v (B, H, D) float32."""
-        return self.action_out_proj(upcast(suffix_out))
+    def velocity(self, suffix_out: torch.Tensor, fused_kernels: bool = False) -> torch.Tensor:
+        """Expert output (B, H, We) -> velocity v (B, H, D) float32 (`fused_kernels`: see `_fast_fp32`)."""
+        return kernels.linear_fp32(upcast(suffix_out), self.action_out_proj, enabled=self._fast_fp32(fused_kernels))
+
+    def _fast_fp32(self, fused_kernels: bool) -> bool:
+        """Whether the float32 action projections run as `kernels.linear_fp32`: fused kernels in a half model.
+
+        A float32 model keeps cuBLAS's float32 GEMMs (its fused path is then bitwise the unfused one).
+        """
+        return fused_kernels and self.compute_dtype in (torch.float16, torch.bfloat16)
 
     # ------------------------------------------------------------------------------------------ heads
     def prefix_pooled(self, cache: PrefixCache) -> torch.Tensor:

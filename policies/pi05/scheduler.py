@@ -185,7 +185,7 @@ class Pi05Scheduler:
         start = time.perf_counter()
         cfg, mcfg = self.config, self.model.config
         self.tables = RolloutTables(self.model, cfg.num_steps)
-        self.model.build_fused_expert()
+        self.model.build_fused_weights()
         dev, bmax, lmax = self.device, cfg.max_batch_size, self.prompt_buckets[-1]
         s, h, d, kmax = mcfg.vision.image_size, mcfg.action_horizon, mcfg.action_dim, max(cfg.num_steps)
         tmax = len(mcfg.camera_slots) * mcfg.vision.num_patches + lmax
@@ -541,4 +541,4 @@ class Pi05Scheduler:
         """
         if self.tables is not None:
             self.tables.refresh()
-        self.model.refresh_fused_expert()
+        self.model.refresh_fused_weights()

@@ -61,13 +61,24 @@ class SiglipAttention(nn.Module):
         self.v_proj = nn.Linear(cfg.width, cfg.width)
         self.out_proj = nn.Linear(cfg.width, cfg.width)
 
-    def forward(self, x: torch.Tensor, backend: str) -> torch.Tensor:
-        """(B, P, width) -> (B, P, width)."""
+    def fused_weight(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """[q; k; v] weight and bias rows stacked: one GEMM instead of three (a copy, refreshed with the weights)."""
+        projs = (self.q_proj, self.k_proj, self.v_proj)
+        return torch.cat([p.weight for p in projs]), torch.cat([p.bias for p in projs])
+
+    def forward(
+        self, x: torch.Tensor, backend: str, fused: tuple[torch.Tensor, torch.Tensor] | None = None
+    ) -> torch.Tensor:
+        """(B, P, width) -> (B, P, width); `fused` (see `fused_weight`) runs q, k and v as one GEMM."""
         b, p, _ = x.shape
         shape = (b, p, self.num_heads, self.head_dim)
-        q = self.q_proj(x).view(shape).transpose(1, 2)
-        k = self.k_proj(x).view(shape).transpose(1, 2)
-        v = self.v_proj(x).view(shape).transpose(1, 2)
+        if fused is not None:
+            q, k, v = F.linear(x, *fused).view(b, p, 3, *shape[2:]).unbind(2)
+            q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)
+        else:
+            q = self.q_proj(x).view(shape).transpose(1, 2)
+            k = self.k_proj(x).view(shape).transpose(1, 2)
+            v = self.v_proj(x).view(shape).transpose(1, 2)
         out = attend(q, k, v, None, self.head_dim**-0.5, backend)
         return self.out_proj(out.transpose(1, 2).reshape(b, p, -1))
 
@@ -101,15 +112,19 @@ class SiglipEncoderLayer(nn.Module):
         return x + self.mlp(layer_norm_fp32(x, self.layer_norm2))
 
     def forward_fused(
-        self, x: torch.Tensor, delta: torch.Tensor | None, backend: str
+        self,
+        x: torch.Tensor,
+        delta: torch.Tensor | None,
+        backend: str,
+        qkv: tuple[torch.Tensor, torch.Tensor] | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """The block with the pending residual `delta` (the previous block's MLP output) added inside LN1.
 
         (B, P, width) x and delta (None for the first block) -> (x + delta + attn, this block's MLP output, not
-        yet added: the next block's LN1 or the post-layernorm adds it).
+        yet added: the next block's LN1 or the post-layernorm adds it). `qkv`: the fused [q;k;v] weight and bias.
         """
         x, h = add_layer_norm(x, delta, self.layer_norm1)
-        x, h = add_layer_norm(x, self.self_attn(h, backend), self.layer_norm2)
+        x, h = add_layer_norm(x, self.self_attn(h, backend, qkv), self.layer_norm2)
         return x, self.mlp(h)
 
 
@@ -144,11 +159,14 @@ class SiglipVisionTower(nn.Module):
         backend: str = "sdpa",
         dtype: torch.dtype | None = None,
         fused_kernels: bool = False,
+        fused_qkv: list[tuple[torch.Tensor, torch.Tensor]] | None = None,
     ) -> torch.Tensor:
         """(B, 3, S, S) float pixels in [-1, 1] -> (B, P, width) in `dtype` (default: the block weights' dtype).
 
         `fused_kernels`: each residual add runs inside the next LayerNorm's kernel where `kernels.fused_path`
-        holds (the pending MLP output of block i is added in block i + 1's LN1, the last in the post-layernorm).
+        holds (the pending MLP output of block i is added in block i + 1's LN1, the last in the post-layernorm);
+        there `fused_qkv` (per block the [q;k;v] weight and bias, `SiglipAttention.fused_weight`) runs each block's
+        q, k and v as one GEMM.
         """
         dtype = dtype or self.encoder.layers[0].mlp.fc1.weight.dtype
         x = self.embeddings(pixels)  # float32, laid out (B, width, P) as the patch conv wrote it
@@ -156,8 +174,8 @@ class SiglipVisionTower(nn.Module):
         x = x.to(dtype, memory_format=torch.contiguous_format) if fused_kernels else x.to(dtype)
         if kernels.fused_path(fused_kernels, x):
             delta = None  # the MLP output not yet added to the residual stream x
-            for layer in self.encoder.layers:
-                x, delta = layer.forward_fused(x, delta, backend)
+            for i, layer in enumerate(self.encoder.layers):
+                x, delta = layer.forward_fused(x, delta, backend, fused_qkv[i] if fused_qkv is not None else None)
             return add_layer_norm(x, delta, self.post_layernorm, store_residual=False)[1]
         for layer in self.encoder.layers:
             x = layer(x, backend)

@@ -480,24 +480,38 @@ def test_updates_follow_parameter_changes() -> None:
         policy.sync_weights(fresh, expected="all")
 
 
-def fused_matches(model: Pi05Model) -> bool:
-    layers = model.expert.layers
-    return all(
-        torch.equal(qkv, layer.self_attn.fused_weight()) and torch.equal(mlp, layer.mlp.fused_weight())
-        for (qkv, mlp), layer in zip(model.fused_expert, layers)
+def fused_buffers(model: Pi05Model) -> list[torch.Tensor]:
+    return [t for group in (model.fused_expert, model.fused_vision) for pair in group for t in pair] + list(
+        model.fused_prefix
     )
 
 
+def fused_matches(model: Pi05Model) -> bool:
+    expert = all(
+        torch.equal(qkv, layer.self_attn.fused_weight()) and torch.equal(mlp, layer.mlp.fused_weight())
+        for (qkv, mlp), layer in zip(model.fused_expert, model.expert.layers)
+    )
+    prefix = all(torch.equal(qkv, layer.self_attn.fused_weight()) for qkv, layer in zip(model.fused_prefix,
+                                                                                        model.llm.layers))  # fmt: skip
+    vision = all(
+        torch.equal(w, want_w) and torch.equal(b, want_b)
+        for (w, b), (want_w, want_b) in zip(
+            model.fused_vision, (layer.self_attn.fused_weight() for layer in model.vision.encoder.layers)
+        )
+    )
+    return expert and prefix and vision
+
+
 def test_fused_buffers_are_a_copy_refreshed_at_commit_and_load(tmp_path) -> None:
-    """The fused [q;k;v] / [gate;up] buffers are a derived copy (no parameter shares their storage): a commit,
-    a checkpoint load into the live model and `refresh_tables()` refresh them in place."""
+    """The fused [q;k;v] / [gate;up] buffers (expert, LM, SigLIP) are a derived copy (no parameter shares their
+    storage): a commit, a checkpoint load into the live model and `refresh_tables()` refresh them in place."""
     from policies.pi05.checkpoint import load_weights, save_weights
 
     policy = make_policy(make_model(seed=0))
     model = policy.model
-    buffers = [t.data_ptr() for pair in model.fused_expert for t in pair]
+    buffers = [t.data_ptr() for t in fused_buffers(model)]
     storages = {p.untyped_storage().data_ptr() for p in model.parameters()}
-    assert not storages & {t.untyped_storage().data_ptr() for pair in model.fused_expert for t in pair}
+    assert not storages & {t.untyped_storage().data_ptr() for t in fused_buffers(model)}
     policy.sync_weights(make_model(seed=7), expected="all")
     assert fused_matches(model)
     q = model.expert.layers[0].self_attn.q_proj.weight
@@ -507,12 +521,14 @@ def test_fused_buffers_are_a_copy_refreshed_at_commit_and_load(tmp_path) -> None
     save_weights(make_model(seed=11), tmp_path)
     load_weights(model, tmp_path)
     assert fused_matches(model)
-    with torch.no_grad():
-        model.expert.layers[1].mlp.up_proj.weight.mul_(2.0)  # an optimizer step on a model that also rolls out
-    assert not fused_matches(model)
-    policy.scheduler.refresh_tables()
-    assert fused_matches(model)
-    assert [t.data_ptr() for pair in model.fused_expert for t in pair] == buffers  # storage kept: graphs valid
+    for weight in (model.expert.layers[1].mlp.up_proj.weight, model.llm.layers[0].self_attn.k_proj.weight,
+                   model.vision.encoder.layers[0].self_attn.v_proj.bias):  # fmt: skip
+        with torch.no_grad():
+            weight.mul_(2.0)  # an optimizer step on a model that also rolls out
+        assert not fused_matches(model)
+        policy.scheduler.refresh_tables()
+        assert fused_matches(model)
+    assert [t.data_ptr() for t in fused_buffers(model)] == buffers  # storage kept: graphs valid
 
 
 def test_bf16_sync_refreshes_the_step_tables() -> None:

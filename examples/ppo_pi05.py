@@ -101,8 +101,9 @@ class Args:
     total_iterations: int = 20
     """PPO iterations (rollout + update + weight sync)"""
     learning_rate: float | None = None
-    """Adam learning rate (default: 3e-3 for the tiny config; 1e-5 for random base weights, the target task, where
-    it beat 5e-6 in 3 of 4 seeds; 5e-6, RLinf's PI0.5 actor rate, for checkpoints)"""
+    """Adam learning rate (default: 3e-3 for the tiny config; 2e-5 for random base weights, the target task, where
+    seeds 1-4 ended at mean deterministic success 0.966 against 0.898 at 1e-5 and 0.918 at 3e-5; 5e-6, RLinf's
+    PI0.5 actor rate, for checkpoints)"""
     anneal_lr: bool = False
     """linearly anneal the learning rate to 0"""
     gamma: float = 0.99
@@ -151,7 +152,7 @@ class Args:
             if self.checkpoint is not None:
                 self.learning_rate = 5e-6
             else:
-                self.learning_rate = 3e-3 if self.config == "tiny" else 1e-5
+                self.learning_rate = 3e-3 if self.config == "tiny" else 2e-5
         self.batch_size = self.num_envs * self.num_steps
         self.minibatch_size = self.batch_size // self.num_minibatches
         if self.minibatch_size < 1:

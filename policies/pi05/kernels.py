@@ -178,28 +178,6 @@ if HAS_TRITON:  # pragma: no cover - needs a CUDA GPU or the interpreter
             _rope_tile(v_src, vs_b, vs_t, vs_h, v_dst, vo_b, vo_t, vo_h, cos, sin, c_b, c_t, b, t0,
                        head - n_q - n_kv, n_tok, hd, False, BLOCK_T, BLOCK_D)  # fmt: skip
 
-    @triton.jit(do_not_specialize=["m"])
-    def _linear_fp32_kernel(
-        x_ptr, w_ptr, b_ptr, o_ptr, m, x_s, w_s, o_s,
-        N: tl.constexpr, K: tl.constexpr,  # noqa: N803
-        BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,  # noqa: N803
-    ):  # fmt: skip
-        # Program (row block, column block): IEEE float32 products summed in float32 over K, + bias, one rounding
-        # to the output dtype. K and N are the layer's (constexpr: the K loop unrolls), the rows M a runtime value.
-        rm = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
-        rn = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
-        m_ok, n_ok = rm < m, rn < N
-        acc = tl.zeros((BLOCK_M, BLOCK_N), tl.float32)
-        for k0 in tl.static_range(0, K, BLOCK_K):
-            rk = k0 + tl.arange(0, BLOCK_K)
-            k_ok = rk < K
-            a = tl.load(x_ptr + rm[:, None] * x_s + rk[None, :], mask=m_ok[:, None] & k_ok[None, :], other=0.0)
-            w = tl.load(w_ptr + rn[None, :] * w_s + rk[:, None], mask=k_ok[:, None] & n_ok[None, :], other=0.0)
-            acc += tl.dot(a, w, input_precision="ieee")
-        acc += tl.load(b_ptr + rn, mask=n_ok, other=0.0)[None, :]
-        tl.store(o_ptr + rm[:, None] * o_s + rn[None, :], acc.to(o_ptr.dtype.element_ty),
-                 mask=m_ok[:, None] & n_ok[None, :])  # fmt: skip
-
     @triton.jit
     def _denoise_update_kernel(
         x_ptr, v_ptr, xi_ptr, ls_ptr, lp_ptr, xo_ptr, lpo_ptr,
@@ -493,37 +471,6 @@ def qkv_rope(
         cos, sin, c_b, cos.stride(1), t, n_q, n_kv, hd, t_blocks,
         BLOCK_T=block_t, BLOCK_D=triton.next_power_of_2(hd), num_warps=4,
     )  # fmt: skip
-
-
-# ------------------------------------------------------------------------------------ small float32 linear
-def linear_fp32(
-    x: torch.Tensor, layer: torch.nn.Linear, out_dtype: torch.dtype | None = None, enabled: bool = True
-) -> torch.Tensor:
-    """`layer(x).to(out_dtype)` for the expert's float32 action projections: one kernel where it serves.
-
-    cuBLAS runs these small float32 GEMMs (M = B * H rows, K or N = the 32 action dims) as a split-K GEMM with
-    a memset, a scaling and a bias epilogue kernel, and the cast to the compute dtype is one more: five kernels per
-    projection and denoise step at batch 1. The Triton kernel sums IEEE float32 products in float32 (another
-    summation order than cuBLAS's, so within float32 rounding of it, not bitwise) and rounds once to
-    `out_dtype`. It serves where `enabled` (`SchedulerConfig.fused_kernels`) and `triton_serves` holds for float32
-    x and weight, outside autograd, with a bias; else the PyTorch ops run.
-    """
-    weight, bias = layer.weight, layer.bias
-    out_dtype = out_dtype or x.dtype
-    shape = (*x.shape[:-1], weight.shape[0])
-    serves = enabled and triton_serves(x, _FLOAT32) and bias is not None and x.shape[-1] == weight.shape[1]
-    if not serves or weight.dtype != torch.float32 or weight.requires_grad and torch.is_grad_enabled():
-        return layer(x).to(out_dtype)
-    rows = x.reshape(-1, x.shape[-1])
-    if rows.stride(-1) != 1:
-        rows = rows.contiguous()
-    out = torch.empty(rows.shape[0], weight.shape[0], dtype=out_dtype, device=x.device)
-    n, k = weight.shape
-    block_m, block_n, block_k = (16, 32, 64) if n <= 64 else (32, 64, 32)
-    grid = (triton.cdiv(rows.shape[0], block_m), triton.cdiv(n, block_n))
-    _linear_fp32_kernel[grid](rows, weight, bias, out, rows.shape[0], rows.stride(0), weight.stride(0), out.stride(0),
-                              N=n, K=k, BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, num_warps=4)  # fmt: skip
-    return out.view(shape)
 
 
 # ------------------------------------------------------------------------------------- one denoise step's math

@@ -408,8 +408,7 @@ class Pi05Model(nn.Module):
         """
         cfg = self.config.expert
         b, h, _ = x_t.shape
-        x_t = x_t.to(upcast_dtype(self.action_in_proj.weight.dtype))
-        x = kernels.linear_fp32(x_t, self.action_in_proj, self.compute_dtype, enabled=self._fast_fp32(fused_kernels))
+        x = self.action_in_proj(x_t.to(upcast_dtype(self.action_in_proj.weight.dtype))).to(self.compute_dtype)
         if cache.suffix_rope is None:  # positions and mask are the same at every denoise step: build once
             positions = cache.num_valid[:, None] + torch.arange(h, device=x_t.device)[None, :]
             cache.suffix_rope = rope_cos_sin(positions, cfg.head_dim, cfg.rope_theta, x.dtype)
@@ -482,16 +481,9 @@ class Pi05Model(nn.Module):
                                   store_residual=False)  # fmt: skip
         return out
 
-    def velocity(self, suffix_out: torch.Tensor, fused_kernels: bool = False) -> torch.Tensor:
-        """Expert output (B, H, We) -> velocity v (B, H, D) float32 (`fused_kernels`: see `_fast_fp32`)."""
-        return kernels.linear_fp32(upcast(suffix_out), self.action_out_proj, enabled=self._fast_fp32(fused_kernels))
-
-    def _fast_fp32(self, fused_kernels: bool) -> bool:
-        """Whether the float32 action projections run as `kernels.linear_fp32`: fused kernels in a half model.
-
-        A float32 model keeps cuBLAS's float32 GEMMs (its fused path is then bitwise the unfused one).
-        """
-        return fused_kernels and self.compute_dtype in (torch.float16, torch.bfloat16)
+    def velocity(self, suffix_out: torch.Tensor) -> torch.Tensor:
+        """Expert output (B, H, We) -> velocity v (B, H, D) float32."""
+        return self.action_out_proj(upcast(suffix_out))
 
     # ------------------------------------------------------------------------------------------ heads
     def prefix_pooled(self, cache: PrefixCache) -> torch.Tensor:

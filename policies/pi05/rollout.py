@@ -138,7 +138,7 @@ def run_denoise_stage(
 
     def velocity_fn(x: torch.Tensor, i: int):
         out = model.expert_step(cache, x, tables.step_mods(i), use_fused=True, fused_kernels=fused_kernels)
-        return model.velocity(out, fused_kernels), out
+        return model.velocity(out), out
 
     value_fn = None
     if model.config.value_source == "suffix" and model.value_head is not None:

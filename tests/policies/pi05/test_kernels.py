@@ -220,23 +220,6 @@ def test_fused_rollout_matches_unfused_tiny_bf16_policy():
     assert torch.allclose(a.values, b.values, atol=5e-2, rtol=5e-2), (a.values, b.values)
 
 
-@interpreted
-@pytest.mark.parametrize(("k", "n", "rows"), [(32, 1024, 50), (1024, 32, 50), (32, 72, 7), (40, 32, 130)])
-def test_linear_fp32_matches_the_float32_linear(k, n, rows):
-    """The action projections' kernel: float32 products summed in float32, within float32 rounding of F.linear."""
-    g = torch.Generator().manual_seed(k + n)
-    layer = torch.nn.Linear(k, n)
-    x = torch.randn(2, rows, k, generator=g)
-    with torch.no_grad():
-        want = layer(x)
-        got = kernels.linear_fp32(x, layer)
-        half = kernels.linear_fp32(x, layer, torch.bfloat16)
-    assert got.shape == want.shape and got.dtype == torch.float32
-    assert (got - want).abs().max() <= 1e-5 * want.abs().max()
-    assert half.dtype == torch.bfloat16 and within_ulp(half, want)
-    assert torch.equal(kernels.linear_fp32(x, layer, enabled=False), layer(x))  # the PyTorch path: exactly it
-
-
 # ------------------------------------------------------------------------------------------- denoise_update
 def _linear_velocity(x: torch.Tensor, i: int) -> tuple[torch.Tensor, torch.Tensor]:
     """A deterministic stand-in for the expert: v = 0.7 x - 0.2 (i + 1), expert output = x."""

@@ -151,23 +151,6 @@ def test_fused_vision_tower_cuts_kernels_per_layer():
     assert outside[True] <= outside[False] - 2, outside
 
 
-@pytest.mark.parametrize(("k", "n", "rows"), [(32, 1024, 50), (1024, 32, 50), (32, 1024, 64 * 50), (1024, 32, 640)])
-def test_linear_fp32_matches_a_float64_linear(k, n, rows):
-    """The action projections' kernel: IEEE float32 products and float32 sums, max relative error 2^-20 of max |y|."""
-    pytest.importorskip("triton")
-    from policies.pi05 import kernels
-
-    torch.manual_seed(k)
-    layer = torch.nn.Linear(k, n, device="cuda")
-    x = torch.randn(rows, k, device="cuda")
-    with torch.no_grad():
-        want = torch.nn.functional.linear(x.double(), layer.weight.double(), layer.bias.double())
-        got = kernels.linear_fp32(x, layer)
-        half = kernels.linear_fp32(x, layer, torch.bfloat16)
-    assert (got.double() - want).abs().max() <= 2**-20 * want.abs().max()
-    assert _within_ulp(half, want)
-
-
 @pytest.mark.parametrize(("batch", "tokens", "need_q"), [(1, 50, True), (8, 1018, True), (2, 300, False)])
 def test_qkv_rope_matches_float32_formula(batch, tokens, need_q):
     pytest.importorskip("triton")

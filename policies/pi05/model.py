@@ -13,6 +13,7 @@ camera is exactly a removed camera.
 from __future__ import annotations
 
 import math
+from collections.abc import Collection
 from dataclasses import dataclass
 
 import torch
@@ -187,22 +188,24 @@ class Pi05Model(nn.Module):
         weight = self.expert.layers[0].self_attn.q_proj.weight
         return qkv.dtype == weight.dtype == dtype and qkv.device == weight.device
 
-    def refresh_fused_weights(self) -> None:
+    def refresh_fused_weights(self, names: Collection[str] | None = None) -> None:
         """Copy every fused weight's parts into its rows of the buffers (one multi-tensor copy).
 
-        Storage is kept, so captured graphs stay valid; nothing to do without fused buffers.
+        `names` (parameter names, e.g. a commit's): only the copies of the stacks ("expert.", "llm.", "vision.")
+        they touch; None: all. Storage is kept, so captured graphs stay valid; nothing to do without fused buffers.
         """
         if self.fused_expert is None or self.fused_prefix is None or self.fused_vision is None:
             return
+        stacks = {"expert", "llm", "vision"} if names is None else {n.split(".", 1)[0] for n in names}
         pairs: list[tuple[torch.Tensor, list[torch.Tensor]]] = []  # (buffer, its parts in `fused_weight()` order)
-        for (qkv, mlp), layer in zip(self.fused_expert, self.expert.layers):
+        for (qkv, mlp), layer in zip(self.fused_expert if "expert" in stacks else [], self.expert.layers):
             attn, ffn = layer.self_attn, layer.mlp
             pairs += [(qkv, [attn.q_proj.weight, attn.k_proj.weight, attn.v_proj.weight]),
                       (mlp, [ffn.gate_proj.weight, ffn.up_proj.weight])]  # fmt: skip
-        for qkv, layer in zip(self.fused_prefix, self.llm.layers):
+        for qkv, layer in zip(self.fused_prefix if "llm" in stacks else [], self.llm.layers):
             attn = layer.self_attn
             pairs.append((qkv, [attn.q_proj.weight, attn.k_proj.weight, attn.v_proj.weight]))
-        for (weight, bias), layer in zip(self.fused_vision, self.vision.encoder.layers):
+        for (weight, bias), layer in zip(self.fused_vision if "vision" in stacks else [], self.vision.encoder.layers):
             projs = (layer.self_attn.q_proj, layer.self_attn.k_proj, layer.self_attn.v_proj)
             pairs += [(weight, [p.weight for p in projs]), (bias, [p.bias for p in projs])]
         rows: list[torch.Tensor] = []
@@ -210,8 +213,9 @@ class Pi05Model(nn.Module):
         for buf, parts in pairs:
             rows += buf.split([w.shape[0] for w in parts])
             weights += parts
-        with torch.no_grad():
-            torch._foreach_copy_(rows, weights)
+        if rows:
+            with torch.no_grad():
+                torch._foreach_copy_(rows, weights)
 
     # ---------------------------------------------------------------------------------------- prefix
     def embed_images(self, images: torch.Tensor, fused_kernels: bool = False) -> torch.Tensor:

@@ -83,7 +83,7 @@ class Pi05Policy:
         self._lock = threading.RLock()
         self._closed = False
         self._graphed_evaluate: GraphedEvaluate | None = None  # the trainer's captured update graphs (evaluate)
-        self.weight_sync = WeightSync(model, lambda: self.scheduler.refresh_tables(), self._lock)
+        self.weight_sync = WeightSync(model, lambda names: self.scheduler.refresh_tables(names), self._lock)
         self.model.eval()
         self.set_trainable(self.rollout.trainable)
         self.scheduler.setup()

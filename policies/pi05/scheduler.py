@@ -17,7 +17,7 @@ from __future__ import annotations
 import bisect
 import gc
 import time
-from collections.abc import Sequence
+from collections.abc import Collection, Sequence
 from dataclasses import dataclass, field
 
 import torch
@@ -533,12 +533,13 @@ class Pi05Scheduler:
             out.append(self.buffers.prefix_value[: chunk.batch_size].clone())
         return torch.cat(out)
 
-    def refresh_tables(self) -> None:
-        """Recompute the weight-derived tables and the fused expert weights in place (after a weight change).
+    def refresh_tables(self, names: Collection[str] | None = None) -> None:
+        """Recompute the weight-derived tables and the fused weight copies in place (after a weight change).
 
-        A weight commit calls it; call it after changing weights in place any other way. Storage is kept, so
-        captured graphs stay valid and nothing is recaptured.
+        A weight commit calls it with the committed parameter names (`names`: only the fused copies of the stacks
+        they touch are refreshed); call it without names after changing weights in place any other way. Storage
+        is kept, so captured graphs stay valid and nothing is recaptured.
         """
         if self.tables is not None:
             self.tables.refresh()
-        self.model.refresh_fused_weights()
+        self.model.refresh_fused_weights(names)

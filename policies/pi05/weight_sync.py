@@ -107,16 +107,17 @@ class WeightSync:
 
     Args:
         model: the module whose parameters are updated in place.
-        refresh: recomputes every weight-derived table in place (called inside the commit).
+        refresh: recomputes the weight-derived tables in place (called inside the commit with the names of the
+            committed parameters).
         lock: the lock every reader of the weights holds (the policy's `act()` lock).
 
     Example:
-        >>> sync = WeightSync(torch.nn.Linear(2, 2), refresh=lambda: None)
+        >>> sync = WeightSync(torch.nn.Linear(2, 2), refresh=lambda names: None)
         >>> sync.sync({"weight": torch.ones(2, 2), "bias": torch.zeros(2)}, expected="all").version
         1
     """
 
-    def __init__(self, model: torch.nn.Module, refresh: Callable[[], None], lock: Any = None) -> None:
+    def __init__(self, model: torch.nn.Module, refresh: Callable[[list[str]], None], lock: Any = None) -> None:
         self.model, self.refresh = model, refresh
         self.lock = lock if lock is not None else threading.RLock()
         self.device = next(model.parameters()).device
@@ -276,7 +277,7 @@ class WeightSync:
                     compute.wait_event(event)  # readers on other streams finish with the old weights first
             with torch.no_grad():
                 copy_all([txn.params[n] for n in names], [txn.slots[n] for n in names], non_blocking=False)
-                self.refresh()
+                self.refresh(names)
             if compute is not None:
                 self._commit_event = torch.cuda.Event()
                 self._commit_event.record(compute)

@@ -119,7 +119,7 @@ def test_stale_tables_would_be_caught(inputs: ModelInputs, monkeypatch: pytest.M
             p.mul_(1.5)
     report = reference.sync_weights(trainer)  # trainable set, refresh on
     assert report.skipped and all(not n.startswith(("expert.", "time_mlp")) for n in report.skipped)
-    monkeypatch.setattr(policy.scheduler, "refresh_tables", lambda: None)
+    monkeypatch.setattr(policy.scheduler, "refresh_tables", lambda names=None: None)
     policy.sync_weights(trainer)
     fresh_model = make_model(seed=0)
     fresh_model.load_state_dict(trainer.state_dict())
@@ -531,6 +531,19 @@ def test_fused_buffers_are_a_copy_refreshed_at_commit_and_load(tmp_path) -> None
     assert [t.data_ptr() for t in fused_buffers(model)] == buffers  # storage kept: graphs valid
 
 
+def test_an_expert_commit_refreshes_the_expert_copies_only() -> None:
+    """A commit refreshes the fused copies of the stacks it wrote: the expert's here, not the LM's or SigLIP's (whose
+    weights it did not touch, so their copies stay right)."""
+    policy = make_policy(make_model(seed=0))
+    model = policy.model
+    fresh = make_model(seed=5)
+    expert = {n: p for n, p in fresh.named_parameters() if n.startswith("expert.")}
+    before = [t.clone() for t in model.fused_prefix]
+    policy.sync_weights(expert, expected=list(expert))
+    assert fused_matches(model)
+    assert all(torch.equal(a, b) for a, b in zip(model.fused_prefix, before))
+
+
 def test_bf16_sync_refreshes_the_step_tables() -> None:
     """In bf16 the denoise loop reads a bf16 copy of the fp32 modulation table (in fp32 it is the same tensor):
     a sync must refresh both."""
@@ -657,7 +670,7 @@ def test_cuda_bf16_sync_refreshes_the_modulation_tables(monkeypatch: pytest.Monk
     assert torch.equal(policy.scheduler.tables[5].step_table, fresh.scheduler.tables[5].step_table)
     assert_same_outputs(act(policy, x), act(fresh, x))
     stale = make_policy(make_model(seed=0, device="cuda", dtype=torch.bfloat16))
-    monkeypatch.setattr(stale.scheduler, "refresh_tables", lambda: None)
+    monkeypatch.setattr(stale.scheduler, "refresh_tables", lambda names=None: None)
     stale.sync_weights(trainer)
     assert not torch.equal(act(stale, x).actions, act(fresh, x).actions)
 

@@ -118,9 +118,13 @@ class GemmaAttentionProj(nn.Module):
         self.v_proj = nn.Linear(cfg.width, cfg.num_kv_heads * cfg.head_dim, bias=False)
         self.o_proj = nn.Linear(cfg.num_heads * cfg.head_dim, cfg.width, bias=False)
 
+    def fused_parts(self) -> list[torch.Tensor]:
+        """The weights `fused_weight` stacks, in its row order."""
+        return [self.q_proj.weight, self.k_proj.weight, self.v_proj.weight]
+
     def fused_weight(self) -> torch.Tensor:
         """[q; k; v] rows stacked: one GEMM instead of three (a derived copy, refreshed after weight updates)."""
-        return torch.cat([self.q_proj.weight, self.k_proj.weight, self.v_proj.weight], dim=0)
+        return torch.cat(self.fused_parts(), dim=0)
 
     def qkv(
         self,
@@ -165,9 +169,13 @@ class GemmaMLP(nn.Module):
         self.up_proj = nn.Linear(cfg.width, cfg.mlp_dim, bias=False)
         self.down_proj = nn.Linear(cfg.mlp_dim, cfg.width, bias=False)
 
+    def fused_parts(self) -> list[torch.Tensor]:
+        """The weights `fused_weight` stacks, in its row order."""
+        return [self.gate_proj.weight, self.up_proj.weight]
+
     def fused_weight(self) -> torch.Tensor:
         """[gate; up] rows stacked (a derived copy, refreshed after weight updates)."""
-        return torch.cat([self.gate_proj.weight, self.up_proj.weight], dim=0)
+        return torch.cat(self.fused_parts(), dim=0)
 
     def forward(self, x: torch.Tensor, fused: torch.Tensor | None = None) -> torch.Tensor:
         """(..., width) -> (..., width); `fused` = `fused_weight()` runs gate and up as one GEMM."""

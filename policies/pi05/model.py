@@ -197,17 +197,15 @@ class Pi05Model(nn.Module):
         if self.fused_expert is None or self.fused_prefix is None or self.fused_vision is None:
             return
         stacks = {"expert", "llm", "vision"} if names is None else {n.split(".", 1)[0] for n in names}
-        pairs: list[tuple[torch.Tensor, list[torch.Tensor]]] = []  # (buffer, its parts in `fused_weight()` order)
-        for (qkv, mlp), layer in zip(self.fused_expert if "expert" in stacks else [], self.expert.layers):
-            attn, ffn = layer.self_attn, layer.mlp
-            pairs += [(qkv, [attn.q_proj.weight, attn.k_proj.weight, attn.v_proj.weight]),
-                      (mlp, [ffn.gate_proj.weight, ffn.up_proj.weight])]  # fmt: skip
-        for qkv, layer in zip(self.fused_prefix if "llm" in stacks else [], self.llm.layers):
-            attn = layer.self_attn
-            pairs.append((qkv, [attn.q_proj.weight, attn.k_proj.weight, attn.v_proj.weight]))
-        for (weight, bias), layer in zip(self.fused_vision if "vision" in stacks else [], self.vision.encoder.layers):
-            projs = (layer.self_attn.q_proj, layer.self_attn.k_proj, layer.self_attn.v_proj)
-            pairs += [(weight, [p.weight for p in projs]), (bias, [p.bias for p in projs])]
+        pairs: list[tuple[torch.Tensor, list[torch.Tensor]]] = []  # (buffer, the parameters it stacks)
+        if "expert" in stacks:
+            for (qkv, mlp), layer in zip(self.fused_expert, self.expert.layers):
+                pairs += [(qkv, layer.self_attn.fused_parts()), (mlp, layer.mlp.fused_parts())]
+        if "llm" in stacks:
+            pairs += [(qkv, layer.self_attn.fused_parts()) for qkv, layer in zip(self.fused_prefix, self.llm.layers)]
+        if "vision" in stacks:
+            for buffers, layer in zip(self.fused_vision, self.vision.encoder.layers):
+                pairs += zip(buffers, layer.self_attn.fused_parts())
         rows: list[torch.Tensor] = []
         weights: list[torch.Tensor] = []
         for buf, parts in pairs:

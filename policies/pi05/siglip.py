@@ -61,10 +61,15 @@ class SiglipAttention(nn.Module):
         self.v_proj = nn.Linear(cfg.width, cfg.width)
         self.out_proj = nn.Linear(cfg.width, cfg.width)
 
+    def fused_parts(self) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+        """The weights and the biases `fused_weight` stacks, in its row order."""
+        projs = (self.q_proj, self.k_proj, self.v_proj)
+        return [p.weight for p in projs], [p.bias for p in projs]
+
     def fused_weight(self) -> tuple[torch.Tensor, torch.Tensor]:
         """[q; k; v] weight and bias rows stacked: one GEMM instead of three (a copy, refreshed with the weights)."""
-        projs = (self.q_proj, self.k_proj, self.v_proj)
-        return torch.cat([p.weight for p in projs]), torch.cat([p.bias for p in projs])
+        weights, biases = self.fused_parts()
+        return torch.cat(weights), torch.cat(biases)
 
     def forward(
         self, x: torch.Tensor, backend: str, fused: tuple[torch.Tensor, torch.Tensor] | None = None

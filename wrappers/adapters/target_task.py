@@ -4,8 +4,10 @@ Each episode draws one of `num_targets` target positions in [-1, 1]. The target 
 first state entry (so a ``"state"`` prompt carries it as discretised bins) and as the colour of the image
 (`TARGET_COLOURS`; a whole-image cue, because a randomly initialised model reads a small image detail too
 weakly to learn from it in a few minutes). The action is one number, a position; the episode succeeds when
-the target is the position's nearest target. Episodes last `episode_length` steps and end (terminate) on
-success or truncate at the limit. A policy that ignores the observation succeeds about ``1 / num_targets``
+the target is the position's nearest target. An episode terminates on success or after `episode_length`
+steps: the elapsed fraction is in the state, so the limit is part of the task and a failure there has no future
+to bootstrap (as a truncation, PPO would add the critic's value of the end state to a failed return, worth almost
+a success once the critic has learned, and the signal would shrink to the shaping term). A policy that ignores the observation succeeds about ``1 / num_targets``
 of the time; one that reads it can always succeed, so the task shows quickly whether RL uses the observation.
 """
 
@@ -44,7 +46,7 @@ class TargetEnv(gym.Env):
 
     Args:
         num_targets: k, the number of possible targets (the best constant action succeeds about 1/k of the time).
-        episode_length: steps before truncation (1 = a contextual bandit).
+        episode_length: steps before the episode terminates without success (1 = a contextual bandit).
         image_size: S.
 
     Example:
@@ -91,8 +93,8 @@ class TargetEnv(gym.Env):
         success = int(np.argmin(np.abs(self.positions - position))) == self._target
         self._t += 1
         reward = 1.0 if success else -0.1 * abs(position - target)
-        truncated = not success and self._t >= self.episode_length
-        return self._obs(), reward, success, truncated, {"is_success": success}
+        terminated = success or self._t >= self.episode_length
+        return self._obs(), reward, terminated, False, {"is_success": success}
 
 
 def make_target_env(

@@ -1,0 +1,32 @@
+#!/usr/bin/env bash
+# The final-commit campaign on the GPU machine in one call, after `device_flash.sh stage` (call 1):
+#
+#   call 2: carry [".whl", ".whl_flash/call2"]
+#           PHYAI_GYM_COMMIT=<sha> timeout 560 bash benchmarks/device_final.sh; cd $OUT && tar czf final.tgz final
+#
+# In order, each step timed out on its own and logged under $OUT/final: the PPO example's iteration row (without
+# FlashAttention-4, as a default install runs it), every CUDA test, then FlashAttention-4 installed
+# (`device_flash.sh run`: its smoke test, attention rows and CUDA tests) and the policy target rows with it.
+# Tar $OUT/final afterwards: a call brings back at most 8 files.
+set -u
+ROOT="$(cd "$(dirname "$0")/.." && pwd)"
+DIR="$OUT/final"
+mkdir -p "$DIR"
+cd "$ROOT" || exit 1
+python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl \
+    || { echo "gymnasium wheels did not install"; exit 1; }
+export PYTHONPATH="/tmp/site:$ROOT"
+
+timeout 140 python3 -m benchmarks.bench_ppo --which iteration --out "$DIR" > "$DIR/ppo.log" 2>&1
+echo "STEP ppo rc=$? $(grep -ho '"final_success_deterministic": [0-9.]*' "$DIR/ppo_iteration.jsonl" 2>/dev/null)"
+
+timeout 120 python3 -m pytest -q -m cuda -p no:cacheprovider tests/policies tests/wrappers > "$DIR/cuda_tests.log" 2>&1
+echo "STEP cuda tests rc=$? $(tail -1 "$DIR/cuda_tests.log")"
+
+BENCH_TIMEOUT=90 TEST_TIMEOUT=70 OUT="$DIR/flash" bash benchmarks/device_flash.sh run > "$DIR/flash.log" 2>&1
+grep STATUS "$DIR/flash.log"
+
+export PYTHONPATH="/tmp/site:/tmp/site/nvidia_cutlass_dsl/dsl_packages:$ROOT"
+export FLASH_ATTENTION_CUTE_DSL_CACHE_ENABLED=1 FLASH_ATTENTION_CUTE_DSL_CACHE_DIR=/tmp/fa4_cache
+timeout 110 python3 -m benchmarks.gpu_suite --sections policy_targets --out "$DIR/policy_flash" > "$DIR/policy.log" 2>&1
+echo "STEP policy (flash installed) rc=$?"

@@ -1,13 +1,13 @@
 """A small image + state reaching task whose target changes every episode, for PPO tests and examples.
 
-Each episode draws one of `num_targets` target positions in [-1, 1]. The target is visible twice: as the
-first state entry (so a ``"state"`` prompt carries it as discretised bins) and as the colour of the image
-(`TARGET_COLOURS`; a whole-image cue, because a randomly initialised model reads a small image detail too
-weakly to learn from it in a few minutes). The action is one number, a position; the episode succeeds when
-the target is the position's nearest target. An episode terminates on success or after `episode_length`
-steps: the elapsed fraction is in the state, so the limit is part of the task and a failure there has no future
-to bootstrap (as a truncation, PPO would add the critic's value of the end state to a failed return, worth almost
-a success once the critic has learned, and the signal would shrink to the shaping term). A policy that ignores the observation succeeds about ``1 / num_targets``
+Each episode draws one of `num_targets` target positions in [-1, 1]. The target is visible twice: as the first state
+entry (so a ``"state"`` prompt carries it as discretised bins) and as the colour of the image (`TARGET_COLOURS`; a
+whole-image cue, because a randomly initialised model reads a small image detail too weakly to learn from it in a
+few minutes). The action is one number, a position; the episode succeeds when the target is the position's nearest
+target. An episode terminates on success or after `episode_length` steps: the elapsed fraction is in the state, so
+the limit is part of the task and a failure there has no future to bootstrap (as a truncation, PPO would add the
+critic's value of the end state to a failed return, worth almost a success once the critic has learned, and the
+signal would shrink to the shaping term). A policy that ignores the observation succeeds about ``1 / num_targets``
 of the time; one that reads it can always succeed, so the task shows quickly whether RL uses the observation.
 """
 

@@ -82,10 +82,8 @@ class Args:
     """every denoise step stochastic, log-prob over the whole chain (False: one random step j per env)"""
     denoise_steps: int = 5
     """K, Euler denoise steps of the rollout"""
-    noise_level: float | None = None
-    """a, the flow-SDE noise level (default: 1.0 for the tiny config, whose first step's noise as large as x_0's
-    credits exploration within 20 iterations; 0.5, RLinf's, otherwise: the SDE's mean step is the ODE step pulled
-    back by up to a^2/2 of the noise estimate, so at 1.0 the deterministic (ODE) policy trails the one trained)"""
+    noise_level: float = 1.0
+    """a, the flow-SDE noise level (1.0: the first step's noise is as large as x_0's, so exploration is credited)"""
     action_chunk: int = 1
     """C, env steps per policy call (one MDP step)"""
     # Environment
@@ -150,8 +148,6 @@ class Args:
     """batch_size // num_minibatches"""
 
     def __post_init__(self) -> None:
-        if self.noise_level is None:
-            self.noise_level = 1.0 if self.config == "tiny" and self.checkpoint is None else 0.5
         if self.learning_rate is None:
             if self.checkpoint is not None:
                 self.learning_rate = 5e-6

@@ -101,9 +101,8 @@ class Args:
     total_iterations: int = 20
     """PPO iterations (rollout + update + weight sync)"""
     learning_rate: float | None = None
-    """Adam learning rate (default: 3e-3 for the tiny config; 2e-5 for random base weights, the target task, where
-    seeds 1-4 ended at mean deterministic success 0.966 against 0.898 at 1e-5 and 0.919 at 3e-5; 5e-6, RLinf's
-    PI0.5 actor rate, for checkpoints)"""
+    """Adam learning rate (default: 3e-3 for the tiny config; 2e-5 for random base weights, the best of 5e-6 to 3e-5
+    on the target task across seeds (benchmarks/README.md); 5e-6, RLinf's PI0.5 actor rate, for checkpoints)"""
     anneal_lr: bool = False
     """linearly anneal the learning rate to 0"""
     gamma: float = 0.99

@@ -13,7 +13,7 @@ DIR):
   update0_ratio  |log pi_trainer - log pi_rollout| at update 0 over a batch of 64 graph-rollout samples
   act_public     act() samples/s through the public processor at N = 8..64 with each N declared
   ppo_iteration  examples/ppo_pi05.py --config base --device cuda on the target task (median iteration, split)
-  ppo_seeds      `seeds`: that run for several seeds at once, one spawned process each on the one GPU (each also
+  ppo_seeds      `seeds`: that run for several seeds, one spawned process each, two at a time on the one GPU (each also
                  a ppo_iteration row with "seed" and "concurrent_runs", its timings shared-GPU ones); the final
                  success rates per seed and their means
 """
@@ -340,6 +340,40 @@ def _seed_child(
         sys.stdout.flush()
 
 
+def _collect_child(
+    work: Path, seed: int, child, flags: tuple[str, ...], width: int, start: float, timeout_s: float | None
+) -> dict:
+    """The row of `child` (run with ``--seed seed``) once it ends, or an error row; past `timeout_s` (counted from
+    `start`) it is terminated first."""
+    import json
+
+    child.join(None if timeout_s is None else max(0.0, timeout_s - (time.perf_counter() - start)))
+    timed_out = child.is_alive()
+    if timed_out:  # past the deadline (or hanging after its row): end it
+        child.terminate()
+        child.join(10)
+        if child.is_alive():
+            child.kill()
+            child.join(10)
+    path = work / f"ppo_seed{seed}.json"
+    if path.exists():
+        row = json.loads(path.read_text())
+        path.unlink()  # the row goes to ppo_iteration.jsonl
+    else:
+        why = f"ran past timeout_s={timeout_s}" if timed_out else "died"
+        log = work / f"ppo_seed{seed}.log"
+        row = {
+            "bench": "ppo_iteration_error",
+            "flags": " ".join(flags),
+            "seed": seed,
+            "concurrent_runs": width,
+            "error": f"child {why} (exit code {child.exitcode}) after {time.perf_counter() - start:.0f} s, no row",
+            "log_tail": log.read_text()[-4000:] if log.exists() else "",
+        }
+    print(f"ppo_seeds: seed {seed} {row['bench']} deterministic {row.get('final_success_deterministic')}", flush=True)
+    return row
+
+
 def bench_seeds(
     out: Path | None,
     seeds=(1, 2, 3, 4),
@@ -348,70 +382,47 @@ def bench_seeds(
     config: str = "base",
     device: str = "cuda",
     timeout_s: float | None = None,
+    concurrent: int = 2,
 ) -> dict:
-    """`bench_iteration` for every seed at once, one spawned process per seed sharing the device.
+    """`bench_iteration` for every seed, `concurrent` spawned processes at a time sharing the device.
 
     Each child runs the example in process with ``--seed S`` after `flags` (its CSV, plot and log go to
     ``DIR/ppo_seed<S>.*``, or a temporary folder when `out` is None) and hands its row back through a JSON file;
-    the parent alone appends the ppo_iteration rows (``seed``, ``concurrent_runs`` = len(seeds): the timings are
-    shared-GPU ones), an error row for a child that failed, died or ran past `timeout_s` (then it is
-    terminated), and one ppo_seeds row: the final success rates per seed and their means over the seeds that
-    finished. Returns that ppo_seeds row.
+    the parent alone appends the ppo_iteration rows (``seed``, ``concurrent_runs``: the timings are shared-GPU
+    ones), an error row for a child that failed, died or ran past `timeout_s` (counted from the start of all;
+    then it is terminated), and one ppo_seeds row: the final success rates per seed and their means over the
+    seeds that finished. Returns that ppo_seeds row. The default of 2 is what fits an H200: a full-size run
+    peaks at 35-57 GiB, and 3 or 4 at once ran out of its memory.
     """
-    import json
     import multiprocessing
 
     seeds, flags = [int(s) for s in seeds], tuple(flags)
     if len(set(seeds)) != len(seeds) or not seeds:
         raise ValueError(f"seeds: expected distinct seeds, got {seeds!r}.")
+    if not (isinstance(concurrent, int) and concurrent >= 1):
+        raise ValueError(f"concurrent: expected an int >= 1, got {concurrent!r}. Fix: pass e.g. 2.")
     work = Path(out) if out is not None else Path(tempfile.mkdtemp(prefix="ppo_seeds_"))
     work.mkdir(parents=True, exist_ok=True)
     for seed in seeds:
         (work / f"ppo_seed{seed}.json").unlink(missing_ok=True)
+    width = min(concurrent, len(seeds))
     ctx = multiprocessing.get_context("spawn")
-    children = {
-        seed: ctx.Process(
-            target=_seed_child,
-            name=f"ppo_seed{seed}",
-            args=(str(work), seed, iterations, flags, config, device, len(seeds)),
-        )
-        for seed in seeds
-    }
     start = time.perf_counter()
-    for child in children.values():
-        child.start()
     rows = {}
-    for seed, child in children.items():
-        child.join(None if timeout_s is None else max(0.0, timeout_s - (time.perf_counter() - start)))
-        timed_out = child.is_alive()
-        if timed_out:  # past the deadline (or hanging after its row): end it
-            child.terminate()
-            child.join(10)
-            if child.is_alive():
-                child.kill()
-                child.join(10)
-        path = work / f"ppo_seed{seed}.json"
-        if path.exists():
-            rows[seed] = json.loads(path.read_text())
-            path.unlink()  # the row goes to ppo_iteration.jsonl below
-        else:
-            why = f"ran past timeout_s={timeout_s}" if timed_out else "died"
-            log = work / f"ppo_seed{seed}.log"
-            rows[seed] = {
-                "bench": "ppo_iteration_error",
-                "flags": " ".join(flags),
-                "seed": seed,
-                "concurrent_runs": len(seeds),
-                "error": f"child {why} (exit code {child.exitcode}) after "
-                f"{time.perf_counter() - start:.0f} s without a row",
-                "log_tail": log.read_text()[-4000:] if log.exists() else "",
-            }
-        print(
-            f"ppo_seeds: seed {seed} {rows[seed]['bench']} "
-            f"deterministic {rows[seed].get('final_success_deterministic')}",
-            flush=True,
-        )
-        _row(out, dict(rows[seed]))
+    for first in range(0, len(seeds), width):  # in waves of `width` runs
+        wave = {
+            seed: ctx.Process(
+                target=_seed_child,
+                name=f"ppo_seed{seed}",
+                args=(str(work), seed, iterations, flags, config, device, width),
+            )
+            for seed in seeds[first : first + width]
+        }
+        for child in wave.values():
+            child.start()
+        for seed, child in wave.items():
+            rows[seed] = _collect_child(work, seed, child, flags, width, start, timeout_s)
+            _row(out, dict(rows[seed]))
     done = [s for s in seeds if rows[s]["bench"] == "ppo_iteration"]
     finals = {mode: [rows[s].get(f"final_success_{mode}") for s in seeds] for mode in ("deterministic", "stochastic")}
     summary = {
@@ -426,7 +437,7 @@ def bench_seeds(
         "final_success_stochastic": finals["stochastic"],
         "mean_stochastic": float(np.mean([rows[s]["final_success_stochastic"] for s in done])) if done else None,
         "episodes_each": rows[done[0]]["eval_episodes"] if done else None,
-        "concurrent_runs": len(seeds),
+        "concurrent_runs": width,
         "failed_seeds": [s for s in seeds if s not in done],
         "wall_s": time.perf_counter() - start,
     }
@@ -468,7 +479,7 @@ def main() -> None:
         "--which", nargs="+", default=None, choices=list(WHICH), help=f"default: {' '.join(DEFAULT)}, or seeds"
     )
     parser.add_argument(
-        "--seeds", nargs="+", type=int, default=None, help="run `seeds` with these seeds at once (default: 1 2 3 4)"
+        "--seeds", nargs="+", type=int, default=None, help="`seeds` for these seeds, two at a time (default: 1 2 3 4)"
     )
     parser.add_argument("--flags", default="", help='the example\'s flags for "seeds", e.g. "--learning-rate 2e-5"')
     args = parser.parse_args()

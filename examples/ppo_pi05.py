@@ -126,7 +126,8 @@ class Args:
     max_grad_norm: float = 0.5
     """gradient norm clip"""
     target_kl: float | None = None
-    """stop the epochs of an update early above this approx-KL"""
+    """end an update before the first minibatch step whose approx-KL (the weights so far against the rollout's, on
+    that minibatch) is above this (one host sync a minibatch; None: every epoch runs)"""
     # Reporting
     eval_episodes: int = 256
     """episodes of the final success-rate measurement (stochastic and deterministic); 0 skips it"""
@@ -156,6 +157,8 @@ class Args:
         self.minibatch_size = self.batch_size // self.num_minibatches
         if self.minibatch_size < 1:
             raise ValueError(f"num_minibatches ({self.num_minibatches}) > batch_size ({self.batch_size}).")
+        if self.target_kl is not None and not self.target_kl > 0:
+            raise ValueError(f"--target-kl: expected an approx-KL > 0, got {self.target_kl!r}. Fix: pass e.g. 0.5.")
         if not self.dist_timeout > 0:
             raise ValueError(f"--dist-timeout: expected seconds > 0, got {self.dist_timeout!r}. Fix: pass e.g. 300.")
 
@@ -302,8 +305,11 @@ def _train(args: Args, curves: CurveLog, group: ProcessGroup | None) -> dict:
         # ---- optimise policy and value network (the trainer copy) ------------------------------------
         t0 = time.perf_counter()
         b_idx = np.arange(args.batch_size)
-        clipfracs, approx_kl, first_kl = [], torch.zeros(()), None
+        clipfracs, kls, approx_kl, first_kl, stopped = [], [], torch.zeros(()), None, False
+        pg_loss = v_loss = torch.full((), float("nan"))  # an update stopped before its first step
         for _epoch in range(args.update_epochs):
+            if stopped:
+                break
             np.random.shuffle(b_idx)
             for start in range(0, args.batch_size, args.minibatch_size):
                 mb = torch.as_tensor(b_idx[start : start + args.minibatch_size], device=device)
@@ -324,6 +330,10 @@ def _train(args: Args, curves: CurveLog, group: ProcessGroup | None) -> dict:
                         )
                     first_kl = approx_kl if first_kl is None else first_kl
                     clipfracs.append(clipfrac)
+                    kls.append(approx_kl)
+                if args.target_kl is not None and approx_kl.item() > args.target_kl:
+                    stopped = True
+                    break
                 if args.norm_adv:
                     mb_adv = (mb_adv - adv_mean) / (adv_std + 1e-8)
 
@@ -352,9 +362,6 @@ def _train(args: Args, curves: CurveLog, group: ProcessGroup | None) -> dict:
                 torch.nn.utils.clip_grad_norm_(master.parameters(), args.max_grad_norm)
                 optimizer.step()
                 master.masters_to_model()  # the trainer computes with the updated weights, rounded
-
-            if args.target_kl is not None and approx_kl > args.target_kl:
-                break
         if device.type == "cuda":
             torch.cuda.synchronize(device)
         times["train"] += (t_train := time.perf_counter() - t0)
@@ -377,6 +384,8 @@ def _train(args: Args, curves: CurveLog, group: ProcessGroup | None) -> dict:
             "v_loss": v_loss.item(),
             "approx_kl": approx_kl.item(),
             "approx_kl_first": float(first_kl),
+            "approx_kl_max": float(torch.stack(kls).max()),
+            "update_steps": len(kls) - stopped,
             "clipfrac": float(torch.stack(clipfracs).mean()),
             "explained_variance": float(explained_var),
             "sps": global_step / (time.perf_counter() - start_time),

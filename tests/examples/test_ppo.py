@@ -100,3 +100,15 @@ def test_command_line_has_help_defaults_and_boolean_pairs(capsys):
     text = " ".join(capsys.readouterr().out.split())
     assert "--quiet, --no-quiet no per-iteration line (default: False)" in text
     assert "--num-envs NUM_ENVS N, parallel envs (per rank under torchrun: G ranks step G*N envs) (default: 32)" in text
+
+
+def test_target_kl_ends_the_update_before_a_step_past_it(tmp_path):
+    ppo = _ppo_module()
+    common = dict(num_envs=8, total_iterations=2, eval_episodes=0, csv=None, quiet=True)
+    full = ppo.train(ppo.Args(**common))["curve"]
+    assert [row["update_steps"] for row in full] == [8, 8]  # 4 epochs x 2 minibatches
+    stopped = ppo.train(ppo.Args(**common, target_kl=1e-6))["curve"]
+    assert [row["update_steps"] for row in stopped] == [1, 1]  # after one step every minibatch is past 1e-6
+    assert all(row["approx_kl"] > 1e-6 >= row["approx_kl_first"] for row in stopped)
+    with pytest.raises(ValueError, match=r"^--target-kl: expected an approx-KL > 0, got 0\.0\. Fix: pass e\.g\. 0\.5\.$"):
+        ppo.Args(target_kl=0.0)

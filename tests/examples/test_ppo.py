@@ -110,5 +110,6 @@ def test_target_kl_ends_the_update_before_a_step_past_it(tmp_path):
     stopped = ppo.train(ppo.Args(**common, target_kl=1e-6))["curve"]
     assert [row["update_steps"] for row in stopped] == [1, 1]  # after one step every minibatch is past 1e-6
     assert all(row["approx_kl"] > 1e-6 >= row["approx_kl_first"] for row in stopped)
-    with pytest.raises(ValueError, match=r"^--target-kl: expected an approx-KL > 0, got 0\.0\. Fix: pass e\.g\. 0\.5\.$"):
+    message = r"^--target-kl: expected an approx-KL > 0, got 0\.0\. Fix: pass e\.g\. 0\.5\.$"
+    with pytest.raises(ValueError, match=message):
         ppo.Args(target_kl=0.0)

@@ -9,13 +9,7 @@
 # (`device_flash.sh run`: its smoke test, attention rows and CUDA tests) and the policy target rows with it.
 # Tar $OUT/final afterwards: a call brings back at most 8 files.
 set -u
-ROOT="$(cd "$(dirname "$0")/.." && pwd)"
-DIR="$OUT/final"
-mkdir -p "$DIR"
-cd "$ROOT" || exit 1
-python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl \
-    || { echo "gymnasium wheels did not install"; exit 1; }
-export PYTHONPATH="/tmp/site:$ROOT"
+. "$(dirname "$0")/device_gym.sh" final
 
 timeout 140 python3 -m benchmarks.bench_ppo --which iteration --out "$DIR" > "$DIR/ppo.log" 2>&1
 echo "STEP ppo rc=$? $(grep -ho '"final_success_deterministic": [0-9.]*' "$DIR/ppo_iteration.jsonl" 2>/dev/null)"

@@ -8,13 +8,7 @@
 #
 # Rows (ppo_iteration per seed, ppo_seeds per set, with each run's curve CSV) end up in $OUT/sweep.tgz.
 set -u
-ROOT="$(cd "$(dirname "$0")/.." && pwd)"
-DIR="$OUT/sweep"
-mkdir -p "$DIR"
-cd "$ROOT" || exit 1
-python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl \
-    || { echo "gymnasium wheels did not install"; exit 1; }
-export PYTHONPATH="/tmp/site:$ROOT"
+. "$(dirname "$0")/device_gym.sh" sweep
 if [ "${ITERATION:-0}" = 1 ]; then
     timeout 150 python3 -m benchmarks.bench_ppo --which iteration --out "$DIR/iteration" > "$DIR/iteration.log" 2>&1
     echo "ITERATION rc=$? $(grep -ho '"final_success_deterministic": [0-9.]*' "$DIR/iteration/ppo_iteration.jsonl" 2>/dev/null)"

@@ -304,64 +304,58 @@ def _train(args: Args, curves: CurveLog, group: ProcessGroup | None) -> dict:
 
         # ---- optimise policy and value network (the trainer copy) ------------------------------------
         t0 = time.perf_counter()
-        b_idx = np.arange(args.batch_size)
-        clipfracs, kls, approx_kl, first_kl, stopped = [], [], torch.zeros(()), None, False
+        clipfracs, kls, steps = [], [], 0  # per minibatch; optimizer steps taken
         pg_loss = v_loss = torch.full((), float("nan"))  # an update stopped before its first step
-        for _epoch in range(args.update_epochs):
-            if stopped:
+        for mb_idx in shuffled_minibatches(args.batch_size, args.update_epochs, args.minibatch_size):
+            mb = torch.as_tensor(mb_idx, device=device)
+            # differentiable log-probs and values (on a GPU: forward and backward replayed as CUDA graphs)
+            new = trainer.evaluate(b_samples.select(mb), cuda_graphs=args.trainer_cuda_graphs)
+            log_ratio = new.log_prob - b_log_probs[mb]
+            ratio = log_ratio.exp()
+            mb_adv = b_advantages[mb]
+            with torch.no_grad():
+                if group is None:
+                    approx_kl = ((ratio - 1) - log_ratio).mean()  # http://joschu.net/blog/kl-approx.html
+                    clipfrac = ((ratio - 1.0).abs() > args.clip_coef).float().mean()  # no host sync
+                    adv_mean, adv_std = mb_adv.mean(), mb_adv.std()
+                else:  # over every rank's share of the minibatch: one all-reduce of sums
+                    what = f"the minibatch statistics all-reduce (iteration {iteration})"
+                    approx_kl, clipfrac, adv_mean, adv_std = global_minibatch_stats(
+                        group, log_ratio, ratio, mb_adv, args.clip_coef, what
+                    )
+                clipfracs.append(clipfrac)
+                kls.append(approx_kl)
+            if args.target_kl is not None and approx_kl.item() > args.target_kl:
                 break
-            np.random.shuffle(b_idx)
-            for start in range(0, args.batch_size, args.minibatch_size):
-                mb = torch.as_tensor(b_idx[start : start + args.minibatch_size], device=device)
-                # differentiable log-probs and values (on a GPU: forward and backward replayed as CUDA graphs)
-                new = trainer.evaluate(b_samples.select(mb), cuda_graphs=args.trainer_cuda_graphs)
-                log_ratio = new.log_prob - b_log_probs[mb]
-                ratio = log_ratio.exp()
-                mb_adv = b_advantages[mb]
-                with torch.no_grad():
-                    if group is None:
-                        approx_kl = ((ratio - 1) - log_ratio).mean()  # http://joschu.net/blog/kl-approx.html
-                        clipfrac = ((ratio - 1.0).abs() > args.clip_coef).float().mean()  # no host sync
-                        adv_mean, adv_std = mb_adv.mean(), mb_adv.std()
-                    else:  # over every rank's share of the minibatch: one all-reduce of sums
-                        what = f"the minibatch statistics all-reduce (iteration {iteration})"
-                        approx_kl, clipfrac, adv_mean, adv_std = global_minibatch_stats(
-                            group, log_ratio, ratio, mb_adv, args.clip_coef, what
-                        )
-                    first_kl = approx_kl if first_kl is None else first_kl
-                    clipfracs.append(clipfrac)
-                    kls.append(approx_kl)
-                if args.target_kl is not None and approx_kl.item() > args.target_kl:
-                    stopped = True
-                    break
-                if args.norm_adv:
-                    mb_adv = (mb_adv - adv_mean) / (adv_std + 1e-8)
+            if args.norm_adv:
+                mb_adv = (mb_adv - adv_mean) / (adv_std + 1e-8)
 
-                # clipped surrogate objective
-                pg_loss1 = -mb_adv * ratio
-                pg_loss2 = -mb_adv * torch.clamp(ratio, 1 - args.clip_coef, 1 + args.clip_coef)
-                pg_loss = torch.max(pg_loss1, pg_loss2).mean()
+            # clipped surrogate objective
+            pg_loss1 = -mb_adv * ratio
+            pg_loss2 = -mb_adv * torch.clamp(ratio, 1 - args.clip_coef, 1 + args.clip_coef)
+            pg_loss = torch.max(pg_loss1, pg_loss2).mean()
 
-                # value loss
-                new_value = new.values
-                if args.clip_vloss:
-                    v_loss_unclipped = (new_value - b_returns[mb]) ** 2
-                    v_clipped = b_values[mb] + torch.clamp(new_value - b_values[mb], -args.clip_coef, args.clip_coef)
-                    v_loss = 0.5 * torch.max(v_loss_unclipped, (v_clipped - b_returns[mb]) ** 2).mean()
-                else:
-                    v_loss = 0.5 * ((new_value - b_returns[mb]) ** 2).mean()
+            # value loss
+            new_value = new.values
+            if args.clip_vloss:
+                v_loss_unclipped = (new_value - b_returns[mb]) ** 2
+                v_clipped = b_values[mb] + torch.clamp(new_value - b_values[mb], -args.clip_coef, args.clip_coef)
+                v_loss = 0.5 * torch.max(v_loss_unclipped, (v_clipped - b_returns[mb]) ** 2).mean()
+            else:
+                v_loss = 0.5 * ((new_value - b_returns[mb]) ** 2).mean()
 
-                entropy_loss = new.entropy.mean()
-                loss = pg_loss - args.ent_coef * entropy_loss + v_loss * args.vf_coef
+            entropy_loss = new.entropy.mean()
+            loss = pg_loss - args.ent_coef * entropy_loss + v_loss * args.vf_coef
 
-                optimizer.zero_grad()
-                loss.backward()
-                master.grads_to_masters()  # float32 gradients of the float32 master weights
-                if grad_mean is not None:  # their mean over the ranks: every rank takes the same step
-                    grad_mean(master.parameters(), f"the gradient all-reduce (iteration {iteration})")
-                torch.nn.utils.clip_grad_norm_(master.parameters(), args.max_grad_norm)
-                optimizer.step()
-                master.masters_to_model()  # the trainer computes with the updated weights, rounded
+            optimizer.zero_grad()
+            loss.backward()
+            master.grads_to_masters()  # float32 gradients of the float32 master weights
+            if grad_mean is not None:  # their mean over the ranks: every rank takes the same step
+                grad_mean(master.parameters(), f"the gradient all-reduce (iteration {iteration})")
+            torch.nn.utils.clip_grad_norm_(master.parameters(), args.max_grad_norm)
+            optimizer.step()
+            steps += 1
+            master.masters_to_model()  # the trainer computes with the updated weights, rounded
         if device.type == "cuda":
             torch.cuda.synchronize(device)
         times["train"] += (t_train := time.perf_counter() - t0)
@@ -382,10 +376,10 @@ def _train(args: Args, curves: CurveLog, group: ProcessGroup | None) -> dict:
             "episodes": len(successes),
             "pg_loss": pg_loss.item(),
             "v_loss": v_loss.item(),
-            "approx_kl": approx_kl.item(),
-            "approx_kl_first": float(first_kl),
+            "approx_kl": float(kls[-1]),
+            "approx_kl_first": float(kls[0]),
             "approx_kl_max": float(torch.stack(kls).max()),
-            "update_steps": len(kls) - stopped,
+            "update_steps": steps,
             "clipfrac": float(torch.stack(clipfracs).mean()),
             "explained_variance": float(explained_var),
             "sps": global_step / (time.perf_counter() - start_time),
@@ -423,6 +417,15 @@ def _train(args: Args, curves: CurveLog, group: ProcessGroup | None) -> dict:
             f"weight sync {times['sync'] / total:.1%} of {total:.1f}s"
         )
     return {"curve": curves.rows, "final": final, "times": times, "trainer": trainer}
+
+
+def shuffled_minibatches(batch_size: int, epochs: int, minibatch_size: int):
+    """The sample indices of every minibatch of every epoch, the batch reshuffled (in place) before each epoch."""
+    b_idx = np.arange(batch_size)
+    for _epoch in range(epochs):
+        np.random.shuffle(b_idx)
+        for start in range(0, batch_size, minibatch_size):
+            yield b_idx[start : start + minibatch_size]
 
 
 def global_minibatch_stats(

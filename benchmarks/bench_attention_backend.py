@@ -139,22 +139,76 @@ def _triton_direct(
 
     mask = attention.additive_mask(x["mask"], torch.float32)
     rows = []
-    for splits, block_n in [(None, attention_kernel.BLOCK_N)] + [(s, n) for s in SPLITS for n in (32, 64)] * sweep:
+    for splits, block_n in [(None, None)] + [(s, n) for s in SPLITS for n in (32, 64)] * sweep:
         forced = {} if splits is None else {"splits": splits, "block_n": block_n}
+        tiles = None if block_n is None else attention_kernel.Tiles(block_n=block_n)
         row: dict[str, Any] = {"site": site, "case": case, "env_batch": batch, "backend": "triton",
                                "kernel": "triton" if forced else "triton (direct)", **forced, **x["shape"]}  # fmt: skip
+        rows.append(_time_triton(row, x, mask, scale, ref, splits, tiles))
+    return rows
 
-        def call(splits=splits, block_n=block_n):
-            return attention_kernel.attend(x["q"], x["k"], x["v"], mask, scale, splits, block_n)
 
-        try:
-            with torch.no_grad():
-                out = call()
-                row["max_rel_err"] = float((out.float() - ref).abs().max() / ref.abs().max())
-                row["us_per_call"], row["timing"], row["status"] = graph_time_us(call), "cuda_graph", "ran"
-        except Exception as err:  # noqa: BLE001 - record the exact failure and go on
-            row["status"] = f"failed: {type(err).__name__}: {err}"[:800]
-        rows.append(row)
+def _time_triton(row: dict, x: dict, mask: torch.Tensor, scale: float, ref: torch.Tensor, splits, tiles) -> dict:
+    """`row` with the Triton kernel's error and graph-replay time at (`splits`, `tiles`), or its exact failure."""
+    from policies.pi05 import attention_kernel
+
+    def call():
+        return attention_kernel.attend(x["q"], x["k"], x["v"], mask, scale, splits, tiles)
+
+    try:
+        with torch.no_grad():
+            out = call()
+            row["max_rel_err"] = float((out.float() - ref).abs().max() / ref.abs().max())
+            row["us_per_call"], row["timing"], row["status"] = graph_time_us(call), "cuda_graph", "ran"
+    except Exception as err:  # noqa: BLE001 - record the exact failure and go on (e.g. out of shared memory)
+        row["status"] = f"failed: {type(err).__name__}: {err}"[:800]
+    return row
+
+
+TUNE_SHAPES = (("expert", "a", 1), ("expert", "b", 1), ("expert", "a", 64), ("expert", "b", 64),
+               ("prefix", "a", 1), ("prefix", "b", 1), ("prefix", "a", 64), ("prefix", "b", 64))  # fmt: skip
+
+
+def tune(out: Path | None = None, shapes: tuple = TUNE_SHAPES) -> list[dict[str, Any]]:
+    """The Triton kernel at every launch geometry (`attention_kernel.Tiles`) on each (site, case, batch) of `shapes`.
+
+    Rows carry ``block_m``, ``block_n``, ``num_warps``, ``num_stages`` and ``tune: true``; geometries that do not
+    compile (shared memory) are rows with the exact failure. The SDPA time of the same inputs is a row with
+    ``backend`` "sdpa".
+    """
+    import itertools
+
+    from policies.pi05 import attention, attention_kernel
+
+    device = torch.device("cuda")
+    rows: list[dict[str, Any]] = []
+    grid = itertools.product((32, 64, 128), (32, 64, 128), (4, 8), (2, 3))
+    tiles_grid = [attention_kernel.Tiles(m, n, w, st) for m, n, w, st in grid]
+    for site, case, batch in shapes:
+        x = site_inputs(site, case, batch, device)
+        scale = x["shape"]["head_dim"] ** -0.5
+        with torch.no_grad():
+            ref = attention.attend(x["q"].float(), x["k"].float(), x["v"].float(), x["mask"], scale, "eager")
+        mask = attention.additive_mask(x["mask"], torch.float32)
+        base = {"site": site, "case": case, "env_batch": batch, "tune": True, **x["shape"]}
+        measured = []
+        for tiles in tiles_grid:
+            row = {**base, "backend": "triton", "kernel": "triton", **vars(tiles)}
+            measured.append(_time_triton(row, x, mask, scale, ref, None, tiles))
+        sdpa_mask = attention.additive_mask(x["mask"], torch.bfloat16)
+
+        def sdpa(x=x, sdpa_mask=sdpa_mask, scale=scale):
+            return attention.attend(x["q"], x["k"], x["v"], sdpa_mask, scale, "sdpa")
+
+        with torch.no_grad():
+            measured.append({**base, "backend": "sdpa", "kernel": "sdpa", "status": "ran",
+                             "us_per_call": graph_time_us(sdpa), "timing": "cuda_graph"})  # fmt: skip
+        rows += write_rows(BENCH, measured, out)
+        best = min((r for r in measured if r["status"] == "ran"), key=lambda r: r["us_per_call"])
+        print(site, case, batch, "best", {k: best.get(k) for k in ("block_m", "block_n", "num_warps", "num_stages",
+                                                                  "us_per_call", "kernel")}, flush=True)  # fmt: skip
+        del x, ref
+        torch.cuda.empty_cache()
     return rows
 
 

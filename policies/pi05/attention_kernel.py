@@ -28,20 +28,47 @@ Example:
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 
 from . import kernels
 
-BLOCK_M = 64
-"""Folded query rows per program."""
-BLOCK_N = 64
-"""Keys per inner iteration."""
+LOG2E = 1.4426950408889634
+"""log2(e): the kernel's softmax runs in base 2 (exp2), its scores scaled by ``scale * LOG2E``."""
 TARGET_PROGRAMS = 132
 """Programs to aim for when splitting the keys (the H200's SM count: one full wave)."""
 MAX_SPLITS = 32
 """Most key ranges per row block (the combine kernel reads their maxima as one tile)."""
 COMBINE_D = 64
 """Columns per combine program (one row, all key ranges): small, so that many programs load the partials at once."""
+
+
+@dataclass(frozen=True)
+class Tiles:
+    """The kernel's launch geometry: folded query rows per program, keys per inner iteration, warps, pipeline stages.
+
+    Example:
+        >>> Tiles().block_m, Tiles(block_m=128).block_n
+        (64, 64)
+    """
+
+    block_m: int = 64
+    block_n: int = 64
+    num_warps: int = 8
+    num_stages: int = 2
+
+
+SMALL_TILES = Tiles()
+"""Calls whose row blocks fill less than one wave (split over the keys, then combined): small batches."""
+LARGE_TILES = Tiles()
+"""Calls with at least a wave of row blocks (one key range each): the expert at large batch, the prefix LM."""
+
+
+def tiles_for(batch: int, rows: int) -> Tiles:
+    """`LARGE_TILES` where its row blocks alone fill a wave of `TARGET_PROGRAMS`, else `SMALL_TILES`."""
+    return LARGE_TILES if batch * _cdiv(rows, LARGE_TILES.block_m) >= TARGET_PROGRAMS else SMALL_TILES
+
 
 if kernels.HAS_TRITON:  # pragma: no cover - needs a CUDA GPU or the interpreter
     import triton
@@ -52,22 +79,22 @@ if kernels.HAS_TRITON:  # pragma: no cover - needs a CUDA GPU or the interpreter
         q, m_i, l_i, acc, k_ptr, v_ptr, m_ptr, block, b, n_keys, scale, k_b, k_s, v_b, v_s, m_b, d, d_ok,
         HAS_MASK: tl.constexpr, INTERPRET: tl.constexpr, BLOCK_N: tl.constexpr,  # noqa: N803
     ):  # fmt: skip
-        # One block of BLOCK_N keys folded into the running (max, normaliser, unnormalised sum) of the rows.
+        # One block of BLOCK_N keys folded into the running (max, normaliser, unnormalised sum) of the rows, in
+        # base 2: `scale` carries log2(e), so exp2 of the scores is exp of the natural-log scores.
         keys = block * BLOCK_N + tl.arange(0, BLOCK_N)
         key_ok = keys < n_keys
-        kt = tl.load(k_ptr + b * k_b + keys[None, :] * k_s + d[:, None], mask=key_ok[None, :] & d_ok[:, None],
-                     other=0.0)  # fmt: skip
+        kv_ok = key_ok[:, None] & d_ok[None, :]
+        k = tl.load(k_ptr + b * k_b + keys[:, None] * k_s + d[None, :], mask=kv_ok, other=0.0)
         if INTERPRET:  # the interpreter's tl.dot misreads bfloat16; half products are exact in float32
-            kt = kt.to(tl.float32)
-        s = tl.dot(q, kt) * scale  # (BLOCK_M, BLOCK_N) float32
-        if HAS_MASK:
+            k = k.to(tl.float32)
+        s = tl.dot(q, tl.trans(k)) * scale  # (BLOCK_M, BLOCK_N) float32
+        if HAS_MASK:  # the additive mask is finite (MASK_VALUE), so a fully masked block stays finite
             s = s + tl.load(m_ptr + b * m_b + keys, mask=key_ok, other=0.0).to(tl.float32)[None, :]
         s = tl.where(key_ok[None, :], s, float("-inf"))
         m_new = tl.maximum(m_i, tl.max(s, axis=1))
-        alpha = tl.exp(m_i - m_new)
-        p = tl.exp(s - m_new[:, None])
-        vt = tl.load(v_ptr + b * v_b + keys[:, None] * v_s + d[None, :], mask=key_ok[:, None] & d_ok[None, :],
-                     other=0.0)  # fmt: skip
+        alpha = tl.exp2(m_i - m_new)
+        p = tl.exp2(s - m_new[:, None])
+        vt = tl.load(v_ptr + b * v_b + keys[:, None] * v_s + d[None, :], mask=kv_ok, other=0.0)
         pv = p.to(vt.dtype)
         if INTERPRET:
             pv, vt = pv.to(tl.float32), vt.to(tl.float32)
@@ -129,7 +156,7 @@ if kernels.HAS_TRITON:  # pragma: no cover - needs a CUDA GPU or the interpreter
         used = ranges < splits
         part = (b * splits + ranges) * rows + r  # (MAX_SPLITS,)
         m_s = tl.load(pm_ptr + part, mask=used, other=float("-inf"))
-        w = tl.exp(m_s - tl.max(m_s, axis=0))  # 0 for the unused ranges
+        w = tl.exp2(m_s - tl.max(m_s, axis=0))  # 0 for the unused ranges (maxima in base 2)
         den = tl.sum(w * tl.load(pl_ptr + part, mask=used, other=0.0), axis=0)
         acc = tl.load(po_ptr + part[:, None] * HD + d[None, :], mask=used[:, None] & (d < HD)[None, :], other=0.0)
         out = tl.sum(w[:, None] * acc, axis=0) / den
@@ -150,10 +177,10 @@ def serves(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> bool:
     )
 
 
-def num_splits(batch: int, rows: int, keys: int) -> int:
+def num_splits(batch: int, rows: int, keys: int, tiles: Tiles = SMALL_TILES) -> int:
     """Key ranges per row block: enough programs for one wave (`TARGET_PROGRAMS`), at most one per key block."""
-    programs = batch * _cdiv(rows, BLOCK_M)
-    return max(1, min(_cdiv(keys, BLOCK_N), TARGET_PROGRAMS // programs, MAX_SPLITS))
+    programs = batch * _cdiv(rows, tiles.block_m)
+    return max(1, min(_cdiv(keys, tiles.block_n), TARGET_PROGRAMS // programs, MAX_SPLITS))
 
 
 def _cdiv(a: int, b: int) -> int:
@@ -168,13 +195,13 @@ def attend(
     key_mask: torch.Tensor | None,
     scale: float,
     splits: int | None = None,
-    block_n: int = BLOCK_N,
+    tiles: Tiles | None = None,
 ) -> torch.Tensor:
     """Attention of q (B, Nh, T, hd) over one K/V head (B, 1, S, hd); `key_mask` additive (B or 1, 1, 1, S) or None.
 
     Returns (B, Nh, T, hd) in q's dtype, laid out as q (a token-major q gives a token-major result, whose
-    o-projection reshape is free). `splits` (the number of key ranges, default `num_splits`) and `block_n` (keys
-    per iteration) are benchmarks' overrides.
+    o-projection reshape is free). `splits` (the number of key ranges, default `num_splits`) and `tiles` (the launch
+    geometry, default `tiles_for`) are benchmarks' overrides.
     """
     b, n, t, hd = q.shape
     s = k.shape[2]
@@ -192,7 +219,9 @@ def attend(
         assert mask.stride(1) == 1
     else:
         mask, m_b = q.new_empty(1), 0  # never read
-    splits = min(splits or num_splits(b, rows, s), MAX_SPLITS)
+    tiles = tiles or tiles_for(b, rows)
+    block_m, block_n = tiles.block_m, tiles.block_n
+    splits = min(splits or num_splits(b, rows, s, tiles), MAX_SPLITS)
     iters = _cdiv(_cdiv(s, block_n), splits)  # key blocks per range
     splits = _cdiv(_cdiv(s, block_n), iters)
     if splits > 1:
@@ -201,12 +230,13 @@ def attend(
         part_l = torch.empty_like(part_m)
     else:
         part_o, part_m, part_l = (torch.empty(1, dtype=torch.float32, device=q.device) for _ in range(3))  # unused
-    m_blocks = _cdiv(rows, BLOCK_M)
+    m_blocks = _cdiv(rows, block_m)
     _attend_split_kernel[(m_blocks, splits, b)](
         q, k, v, mask, out, part_o, part_m, part_l,
-        rows, inner, s, iters, splits, scale, q.stride(0), q_outer, q_inner, k.stride(0), k.stride(2), v.stride(0),
-        v.stride(2), m_b, out.stride(0), HAS_MASK=key_mask is not None, INTERPRET=kernels.INTERPRETED,
-        BLOCK_M=BLOCK_M, BLOCK_N=block_n, D=width, HD=hd, num_warps=8 if width >= 128 else 4, num_stages=2,
+        rows, inner, s, iters, splits, scale * LOG2E, q.stride(0), q_outer, q_inner, k.stride(0), k.stride(2),
+        v.stride(0), v.stride(2), m_b, out.stride(0), HAS_MASK=key_mask is not None, INTERPRET=kernels.INTERPRETED,
+        BLOCK_M=block_m, BLOCK_N=block_n, D=width, HD=hd, num_warps=tiles.num_warps if width >= 128 else 4,
+        num_stages=tiles.num_stages,
     )  # fmt: skip
     if splits > 1:
         block_d = min(COMBINE_D, width)

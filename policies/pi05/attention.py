@@ -17,8 +17,8 @@ scores as the rollout's graphs do.
 The "triton" backend is the same folded-row attention as one Triton kernel (`attention_kernel`: an online
 softmax split over the keys, plus a combine kernel at small batches) in place of "gemm"'s five; it serves
 forward-only CUDA half calls with one K/V head at any size (it holds no score tensor) and hands every other call
-(autograd, several K/V heads) to "gemm". "triton_small" runs it up to `TRITON_SMALL_MAX_SCORES` score elements and
-hands larger calls to "flash_large": what the prefix LM uses.
+(autograd, several K/V heads) to "gemm". "triton_flash" runs it except for calls of at least `FLASH_MIN_SCORES`
+score elements where FlashAttention-4 runs (those go to "flash"): what the prefix LM uses.
 
 The "flash" backend is FlashAttention-4 (`flash_attn.cute`, the CuTe-DSL kernels of the ``flash-attn-4``
 distribution; see `flash_attn_status`). Key validity reaches it as lengths: the keys are a set (RoPE is already in
@@ -54,7 +54,7 @@ from . import attention_kernel, kernels
 MASK_VALUE = -2.3819763e38
 """Additive mask value for disallowed keys (finite, as openpi and LeRobot)."""
 
-BACKENDS = ("eager", "sdpa", "flash", "flash_large", "gemm", "triton", "triton_small")
+BACKENDS = ("eager", "sdpa", "flash", "flash_large", "gemm", "triton", "triton_flash")
 SITES = ("vision", "prefix", "expert")
 
 
@@ -145,16 +145,11 @@ GEMM_MAX_SCORES = 1 << 22
 tensor's memory traffic then outweighs the fused kernel's poor occupancy (the crossover is measured by
 `benchmarks/bench_expert_attention.py`)."""
 
-TRITON_SMALL_MAX_SCORES = 1 << 23
-"""Up to this many score elements "triton_small" runs the Triton kernel, above it "flash_large". Measured on the H200
-(`attention_backend.jsonl`, the masked prefix LM): the kernel took 47 / 29 us against SDPA's 59 / 40 at batch 1 (7.5 M
-/ 2.5 M score elements, cases (a) / (b)) and 2,685 / 971 us against 1,730 / 733 at batch 64 (482 M / 161 M)."""
-
 FLASH_MIN_SCORES = 1 << 26
-"""At or above this many score elements "flash_large" runs FlashAttention-4, below it SDPA. Measured on the H200
-(`attention_backend.jsonl`): the masked prefix ran 2.0x / 1.8x faster under flash than SDPA at batch 64 (482 M / 161
-M score elements, cases (a) / (b)) and slower at batch 1 (7.5 M / 2.5 M: 78 vs 59 / 69 vs 40 us), as did the
-expert's 26 M at batch 64 and the unmasked vision tower at every size."""
+"""At or above this many score elements "flash_large" and "triton_flash" run FlashAttention-4 (where it runs), below it
+SDPA / the Triton kernel. Measured on the H200 (`attention_backend.jsonl`, the masked prefix LM): flash 861 / 413 us
+against the Triton kernel's 1,323 / 510 and SDPA's 1,730 / 730 at batch 64 (482 M / 161 M score elements, cases (a) /
+(b)); at batch 1 (7.5 M / 2.5 M) flash 78 / 69 us against Triton's 36 / 22 and SDPA's 59 / 39."""
 
 
 @functools.cache
@@ -351,10 +346,10 @@ def served_by(
     A hand-over says why, e.g. ``sdpa (flash: autograd call ...)``. The flash probe is not run here: its result is
     reported once it ran (`flash_probe_result`).
     """
-    if backend == "triton_small":
-        if batch * heads * queries * keys > TRITON_SMALL_MAX_SCORES:
-            inner = served_by("flash_large", device, dtype, batch, heads, kv_heads, queries, keys, head_dim, grad)
-            return f"{inner} (triton_small: above TRITON_SMALL_MAX_SCORES)"
+    if backend == "triton_flash":
+        large = batch * heads * queries * keys >= FLASH_MIN_SCORES
+        if large and flash_shape_status(device, dtype, heads, kv_heads, head_dim, grad) is None:
+            return f"{flash_kernel_name()} (triton_flash: at or above FLASH_MIN_SCORES)"
         backend = "triton"
     if backend == "triton":
         if triton_shape_status(device, dtype, kv_heads, head_dim, grad) is None:
@@ -402,9 +397,11 @@ def attend(
         return _gemm(q, k, v, key_mask, scale)
     if backend == "triton":
         return _triton(q, k, v, key_mask, scale)
-    if backend == "triton_small":
-        small = q.shape[0] * q.shape[1] * q.shape[2] * k.shape[2] <= TRITON_SMALL_MAX_SCORES
-        return _triton(q, k, v, key_mask, scale) if small else attend(q, k, v, key_mask, scale, "flash_large")
+    if backend == "triton_flash":
+        large = q.shape[0] * q.shape[1] * q.shape[2] * k.shape[2] >= FLASH_MIN_SCORES
+        if large and flash_serves(q, k, key_mask) is None:
+            return _flash_call(q, k, v, key_mask, scale)
+        return _triton(q, k, v, key_mask, scale)
     return _eager(q, k, v, key_mask, scale)
 
 
@@ -412,10 +409,10 @@ def attend(
 class AttentionConfig:
     """Which backend each call site asks for: "auto" or one of `BACKENDS`.
 
-    "auto" follows the H200 measurements (`attention_backend.jsonl`): for the prefix on CUDA "triton_small" where triton
-    is installed (the Triton kernel up to `TRITON_SMALL_MAX_SCORES` score elements: batch 1), above it and without
-    triton "flash_large", i.e. FlashAttention-4 at or above `FLASH_MIN_SCORES` where it runs (CUDA sm90/sm100, a half
-    dtype, `flash_attn.cute` importable) and SDPA below; for the expert on CUDA "triton" (short query blocks against the
+    "auto" follows the H200 measurements (`attention_backend.jsonl`): for the prefix on CUDA "triton_flash" where triton
+    is installed (the Triton kernel, and FlashAttention-4 for calls of at least `FLASH_MIN_SCORES` score elements where
+    it runs: CUDA sm90/sm100, a half dtype, `flash_attn.cute` importable), without triton "flash_large" (the same
+    hand-over, to SDPA below it); for the expert on CUDA "triton" (short query blocks against the
     prefix cache as one Triton kernel, faster than SDPA at batch 1 and 64; autograd calls go to "gemm") where triton is
     installed, else "gemm"; SDPA for the vision tower and everywhere else. A request that cannot be served falls back
     (flash -> sdpa, triton -> gemm) and the fallback is recorded in `AttentionPlan.reasons`; `AttentionPlan.flash` says
@@ -454,9 +451,9 @@ class AttentionConfig:
                 if site == "expert" and device.type == "cuda":
                     choice = "triton" if kernels.HAS_TRITON else "gemm"
                 elif site == "prefix" and device.type == "cuda" and kernels.HAS_TRITON:
-                    choice = "triton_small"
+                    choice = "triton_flash"
                     if no_flash is not None:
-                        plan.reasons[site] = f"auto: large calls to sdpa, flash not run ({no_flash})"
+                        plan.reasons[site] = f"auto: large calls stay on triton, flash not run ({no_flash})"
                 elif site == "prefix" and no_flash is None:
                     choice = "flash_large"
                 else:

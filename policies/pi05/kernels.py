@@ -1,6 +1,7 @@
 """Fused elementwise kernels for the CUDA hot path (Triton), each beside the plain PyTorch formula it computes.
 
-Four kernels, each replacing a chain of PyTorch kernels and its passes over the activations:
+Four kernels, each replacing a chain of PyTorch kernels and its passes over the activations (and `gelu_tanh_`, SigLIP's
+GELU in place, one pass in float32 math):
 
 - `geglu(gate, up)` = gelu_tanh(gate) * up: one kernel instead of two (GELU, then the product), 3 instead of 5
   tensor-sizes of traffic. At case (a) batch 64 the LM's GeGLU tensors are (62k, 16384).
@@ -65,6 +66,7 @@ HAS_TRITON = importlib.util.find_spec("triton") is not None
 INTERPRETED = HAS_TRITON and os.environ.get("TRITON_INTERPRET", "") == "1"
 """Whether Triton's CPU interpreter runs the kernels (TRITON_INTERPRET=1 at import): tests only."""
 _BLOCK = 1024
+_GELU_BLOCK = 4096
 _HALF = (torch.bfloat16, torch.float16)
 
 _FLOAT32 = (torch.float32,)
@@ -79,16 +81,26 @@ if HAS_TRITON:  # pragma: no cover - needs a CUDA GPU or the interpreter
     from triton.language.extra import libdevice
 
     @triton.jit
+    def _gelu_tanh(g):
+        inner = 0.7978845608028654 * (g + 0.044715 * g * g * g)  # sqrt(2/pi) (g + 0.044715 g^3)
+        tanh = 2.0 / (1.0 + tl.exp(-2.0 * inner)) - 1.0  # saturates to +-1 without overflow trouble
+        return 0.5 * g * (1.0 + tanh)
+
+    @triton.jit
     def _geglu_kernel(g_ptr, u_ptr, o_ptr, n_cols, g_stride, u_stride, o_stride, BLOCK: tl.constexpr):  # noqa: N803
         row = tl.program_id(0).to(tl.int64)
         cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
         keep = cols < n_cols
         g = tl.load(g_ptr + row * g_stride + cols, mask=keep, other=0.0).to(tl.float32)
         u = tl.load(u_ptr + row * u_stride + cols, mask=keep, other=0.0).to(tl.float32)
-        inner = 0.7978845608028654 * (g + 0.044715 * g * g * g)  # sqrt(2/pi) (g + 0.044715 g^3)
-        tanh = 2.0 / (1.0 + tl.exp(-2.0 * inner)) - 1.0  # saturates to +-1 without overflow trouble
-        out = 0.5 * g * (1.0 + tanh) * u
-        tl.store(o_ptr + row * o_stride + cols, out.to(o_ptr.dtype.element_ty), mask=keep)
+        tl.store(o_ptr + row * o_stride + cols, (_gelu_tanh(g) * u).to(o_ptr.dtype.element_ty), mask=keep)
+
+    @triton.jit
+    def _gelu_kernel(x_ptr, n, BLOCK: tl.constexpr):  # noqa: N803
+        offs = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
+        keep = offs < n
+        x = tl.load(x_ptr + offs, mask=keep, other=0.0).to(tl.float32)
+        tl.store(x_ptr + offs, _gelu_tanh(x).to(x_ptr.dtype.element_ty), mask=keep)
 
     @triton.jit
     def _add_norm_kernel(
@@ -276,6 +288,17 @@ def geglu(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
     if gate.dtype in _HALF:  # float32 math, one rounding: what the kernel computes
         return (F.gelu(gate.float(), approximate="tanh") * up.float()).to(gate.dtype)
     return F.gelu(gate, approximate="tanh") * up
+
+
+def gelu_tanh_(x: torch.Tensor) -> torch.Tensor:
+    """gelu_tanh(x), in place on contiguous CUDA half tensors (one pass: read and write once), else `F.gelu`'s result.
+
+    For activations nothing else reads (SigLIP's fc1 output). Float32 math, one rounding, as `geglu`.
+    """
+    if triton_serves(x) and x.is_contiguous() and x.numel() > 0:
+        _gelu_kernel[(triton.cdiv(x.numel(), _GELU_BLOCK),)](x, x.numel(), BLOCK=_GELU_BLOCK, num_warps=4)
+        return x
+    return F.gelu(x, approximate="tanh")
 
 
 # ------------------------------------------------------------------------------------- residual add + (ada)RMS

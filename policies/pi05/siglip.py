@@ -96,9 +96,10 @@ class SiglipMLP(nn.Module):
         self.fc1 = nn.Linear(cfg.width, cfg.mlp_dim)
         self.fc2 = nn.Linear(cfg.mlp_dim, cfg.width)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        """(..., width) -> (..., width)."""
-        return self.fc2(F.gelu(self.fc1(x), approximate="tanh"))
+    def forward(self, x: torch.Tensor, fused: bool = False) -> torch.Tensor:
+        """(..., width) -> (..., width); `fused`: the GELU as `kernels.gelu_tanh_` where it serves."""
+        h = self.fc1(x)
+        return self.fc2(kernels.gelu_tanh_(h) if fused else F.gelu(h, approximate="tanh"))
 
 
 class SiglipEncoderLayer(nn.Module):
@@ -130,7 +131,7 @@ class SiglipEncoderLayer(nn.Module):
         """
         x, h = add_layer_norm(x, delta, self.layer_norm1)
         x, h = add_layer_norm(x, self.self_attn(h, backend, qkv), self.layer_norm2)
-        return x, self.mlp(h)
+        return x, self.mlp(h, fused=True)
 
 
 class SiglipEncoder(nn.Module):

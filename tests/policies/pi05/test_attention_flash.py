@@ -41,9 +41,9 @@ def test_missing_package_is_named_with_its_install_line():
     assert status is not None and "flash-attn-4" in status and "phyai-gym[flash]" in status
     if not torch.cuda.is_available():  # the CUDA plan of a machine without the package names it too
         plan = AttentionConfig().resolve(torch.device("cuda"), torch.bfloat16)
-        assert (plan.vision, plan.prefix) == ("sdpa", "triton_small" if kernels.HAS_TRITON else "sdpa")
+        assert (plan.vision, plan.prefix) == ("sdpa", "triton_flash" if kernels.HAS_TRITON else "sdpa")
         assert plan.expert == ("triton" if kernels.HAS_TRITON else "gemm")
-        note = "auto: large calls to sdpa, flash not run" if kernels.HAS_TRITON else "auto: flash not run"
+        note = "auto: large calls stay on triton, flash not run" if kernels.HAS_TRITON else "auto: flash not run"
         assert plan.flash == f"not run: {status}" and plan.reasons["prefix"].startswith(note)
 
 
@@ -62,10 +62,11 @@ def test_triton_hand_over_is_reported():
     assert served_by("triton", cuda, torch.bfloat16, 1, 8, 1, 50, 1018, 256, grad=True) == "gemm"  # autograd
     assert served_by("triton", cuda, torch.bfloat16, 64, 8, 2, 50, 1018, 256).startswith("sdpa (gemm:")
     assert served_by("triton", cuda, torch.bfloat16, 64, 8, 1, 50, 1018, 256) == expected  # any size
-    small = attention.TRITON_SMALL_MAX_SCORES
-    assert served_by("triton_small", cuda, torch.bfloat16, 1, 8, 1, 968, 968, 256) == expected  # (a) batch 1
-    assert served_by("triton_small", cuda, torch.bfloat16, small + 1, 1, 1, 1, 1, 256).endswith(
-        "(triton_small: above TRITON_SMALL_MAX_SCORES)"
+    large = attention.FLASH_MIN_SCORES
+    assert served_by("triton_flash", cuda, torch.bfloat16, 1, 8, 1, 968, 968, 256) == expected  # (a) batch 1
+    flash = attention.flash_device_status(cuda) is None
+    assert served_by("triton_flash", cuda, torch.bfloat16, large, 1, 1, 1, 1, 256) == (
+        f"{attention.flash_kernel_name()} (triton_flash: at or above FLASH_MIN_SCORES)" if flash else expected
     )
     if kernels.HAS_TRITON:
         assert attention.triton_shape_status(cuda, torch.float32, 1, 256) == (

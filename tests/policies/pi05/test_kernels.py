@@ -55,6 +55,15 @@ def test_interpreter_run():
 
 
 @interpreted
+def test_gelu_in_place_matches_float32_formula():
+    x = (torch.randn(5, 1000, generator=torch.Generator().manual_seed(3)) * 4).bfloat16()
+    ref = torch.nn.functional.gelu(x.float(), approximate="tanh")
+    with torch.no_grad():
+        out = kernels.gelu_tanh_(x)
+    assert out.data_ptr() == x.data_ptr() and within_ulp(out, ref)
+
+
+@interpreted
 @pytest.mark.parametrize("per_batch", [False, True])
 def test_add_norm_adaptive_matches_reference(per_batch):
     g = torch.Generator().manual_seed(1)
@@ -361,14 +370,18 @@ def test_expert_attention_kernel_matches_float32_softmax(hd, token_major, splits
 
 
 @interpreted
-def test_expert_attention_kernel_key_splits_agree():
-    """One key range per row block and several (the combine kernel) compute the same softmax."""
+def test_expert_attention_kernel_key_splits_and_tiles_agree():
+    """One key range per row block and several (the combine kernel), and every launch geometry the size rule picks,
+    compute the same softmax."""
     from policies.pi05 import attention_kernel
 
     q, k, v, mask = _attention_inputs(1, 8, 10, 300, 32, True, seed=2)
+    large = attention_kernel.LARGE_TILES
     with torch.no_grad():
         outs = [attention_kernel.attend(q, k, v, mask, 32**-0.5, splits) for splits in (1, 2, 10)]
+        outs.append(attention_kernel.attend(q, k, v, mask, 32**-0.5, None, large))
     assert attention_kernel.num_splits(1, 80, 300) == 5  # 2 row blocks, 5 key blocks of 64
+    assert attention_kernel.tiles_for(132, 128) == large and attention_kernel.tiles_for(131, 128) != large
     for out in outs[1:]:
         assert near(out, outs[0], ulps=1)
 

@@ -257,20 +257,25 @@ def test_fused_kernels_cut_kernels_per_expert_layer_step():
     assert outside[True] <= outside[False] - 30, outside
 
 
-@pytest.mark.parametrize(("batch", "keys", "splits"), [(1, 1018, None), (64, 1018, None), (3, 866, 1), (3, 866, 7)])
-def test_expert_attention_kernel_matches_float32_softmax(batch, keys, splits):
-    """Full-size expert geometry (8 query heads over one K/V head of width 256, 50 action tokens): the kernel
-    within 2^-7 of the largest float32 output (bf16 operands and probabilities), the "gemm" path alike."""
+@pytest.mark.parametrize(
+    ("batch", "t", "keys", "splits"),
+    [(1, 50, 1018, None), (64, 50, 1018, None), (3, 50, 866, 1), (3, 50, 866, 7), (1, 968, 968, None),
+     (4, 968, 968, None)],  # fmt: skip
+)
+def test_expert_attention_kernel_matches_float32_softmax(batch, t, keys, splits):
+    """Full-size expert geometry (8 query heads over one K/V head of width 256, 50 action tokens) and the prefix LM's
+    (968 queries over their own keys), at both launch geometries (`tiles_for`): the kernel within 2^-7 of the largest
+    float32 output (bf16 operands and probabilities), the "gemm" path alike."""
     pytest.importorskip("triton")
     from policies.pi05 import attention_kernel
     from policies.pi05.attention import additive_mask, attend
 
     g = torch.Generator(device="cuda").manual_seed(keys + batch)
-    n, t, hd = 8, 50, 256
+    n, hd = 8, 256
     q = torch.randn(batch, t, n, hd, device="cuda", generator=g).bfloat16().transpose(1, 2)  # token-major
     k, v = (torch.randn(batch, 1, keys, hd, device="cuda", generator=g).bfloat16() for _ in range(2))
     valid = torch.rand(batch, keys, device="cuda", generator=g) > 0.2
-    valid[:, -t:] = True
+    valid[:, -50:] = True
     mask = additive_mask(valid, torch.float32)
     with torch.no_grad():
         out = attention_kernel.attend(q, k, v, mask, hd**-0.5, splits)

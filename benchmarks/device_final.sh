@@ -6,7 +6,8 @@
 #
 # In order, each step timed out on its own and logged under $OUT/final: the PPO example's iteration row (without
 # FlashAttention-4, as a default install runs it), every CUDA test, then FlashAttention-4 installed
-# (`device_flash.sh run`: its smoke test, attention rows and CUDA tests) and the policy target rows with it.
+# (`device_flash.sh run`: its smoke test, attention rows and CUDA tests), the policy target rows and the per-kernel
+# profiles (`profile_targets`) with it.
 # Tar $OUT/final afterwards: a call brings back at most 8 files.
 set -u
 . "$(dirname "$0")/device_gym.sh" final
@@ -24,3 +25,6 @@ export PYTHONPATH="/tmp/site:/tmp/site/nvidia_cutlass_dsl/dsl_packages:$ROOT"
 export FLASH_ATTENTION_CUTE_DSL_CACHE_ENABLED=1 FLASH_ATTENTION_CUTE_DSL_CACHE_DIR=/tmp/fa4_cache
 timeout 110 python3 -m benchmarks.gpu_suite --sections policy_targets --out "$DIR/policy_flash" > "$DIR/policy.log" 2>&1
 echo "STEP policy (flash installed) rc=$?"
+
+timeout 60 python3 -m benchmarks.gpu_suite --sections profile_targets --out "$DIR/profile_flash" > "$DIR/profile.log" 2>&1
+echo "STEP profile (flash installed) rc=$?"

@@ -349,8 +349,12 @@ def _launch_add_norm(
     out_dtype: torch.dtype | None,
     store_residual: bool,
     layer_norm: bool,
+    num_warps: int | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor] | None:
-    """`_add_norm_kernel` on (B, T, W) x: (r, y) of `add_norm` / `add_layer_norm`; None where it does not serve."""
+    """`_add_norm_kernel` on (B, T, W) x: (r, y) of `add_norm` / `add_layer_norm`; None where it does not serve.
+
+    `num_warps`: a benchmark's override of the launch (default: one warp per 256 columns, at most 8).
+    """
     if not triton_serves(x) or x.dim() != 3:
         return None
     b, t, w = x.shape
@@ -372,7 +376,7 @@ def _launch_add_norm(
         w, t, xr.stride(0), dr.stride(0), rr.stride(0), yr.stride(0), g_stride, s_stride, b_stride, eps,
         HAS_DELTA=delta is not None, HAS_GATE=gate is not None, HAS_SHIFT=shift is not None, ADD_ONE=add_one,
         STORE_RES=store_residual, LAYER_NORM=layer_norm, LIBDEVICE=not INTERPRETED, BLOCK=block,
-        num_warps=min(max(block // 256, 1), 8),
+        num_warps=num_warps or min(max(block // 256, 1), 8),
     )  # fmt: skip
     return residual, y
 

@@ -70,13 +70,14 @@ def site_inputs(site: str, case: str, batch: int, device: torch.device) -> dict[
 
 
 def _mask_for(backend: str, mask: torch.Tensor | None, shape: dict[str, int]) -> torch.Tensor | None:
-    """The additive mask as the model prebuilds it for `backend` (float32 where "gemm"/"triton" serve, else bf16)."""
+    """The additive mask as the model prebuilds it for `backend` (float32 for "triton" and where "gemm" serves, else
+    bf16)."""
     from policies.pi05 import attention
 
     if mask is None:
         return None
     s = shape
-    gemm = backend in ("gemm", "triton") and attention.gemm_serves(
+    gemm = backend == "triton" or backend == "gemm" and attention.gemm_serves(
         s["batch"], s["heads"], s["kv_heads"], s["queries"], s["keys"]
     )
     return attention.additive_mask(mask, torch.float32 if gemm else torch.bfloat16)

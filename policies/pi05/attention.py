@@ -296,12 +296,18 @@ def flash_serves(q: torch.Tensor, k: torch.Tensor, key_mask: torch.Tensor | None
     return _flash_probe(q.device, q.dtype, q.shape[1], k.shape[1], q.shape[-1], key_mask is not None)
 
 
-def _valid_first(x: torch.Tensor, valid: torch.Tensor, num_valid: torch.Tensor) -> torch.Tensor:
-    """(B, S, N, hd) keys with each row's valid keys moved to the front, in order (a stable permutation)."""
+def _valid_first(
+    k: torch.Tensor, v: torch.Tensor, valid: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(B, S, N, hd) keys and values with each row's valid keys moved to the front, and the (B,) int32 valid counts.
+
+    A stable permutation (valid keys in order), one index for both tensors.
+    """
+    num_valid = valid.sum(dim=1, dtype=torch.int32)
     # destination of key j: its rank among the valid keys, else num_valid + its rank among the invalid ones
     dest = torch.where(valid, valid.cumsum(1) - 1, num_valid[:, None] + (~valid).cumsum(1) - 1)
-    index = dest[:, :, None, None].expand(x.shape)
-    return x.new_empty(x.shape).scatter_(1, index, x)
+    index = dest[:, :, None, None].expand(k.shape)
+    return k.new_empty(k.shape).scatter_(1, index, k), v.new_empty(v.shape).scatter_(1, index, v), num_valid
 
 
 def _flash_call(q, k, v, key_mask, scale):
@@ -317,8 +323,7 @@ def _flash_call(q, k, v, key_mask, scale):
         valid = key_mask.expand(b, s)
     else:  # a prebuilt additive mask (B or 1, 1, 1, S): 0 marks a valid key
         valid = (key_mask.reshape(key_mask.shape[0], s) == 0).expand(b, s)
-    num_valid = valid.sum(dim=1, dtype=torch.int32)
-    kt, vt = _valid_first(kt, valid, num_valid), _valid_first(vt, valid, num_valid)
+    kt, vt, num_valid = _valid_first(kt, vt, valid)
     out, _ = flash_attn_varlen_func(qt, kt, vt, seqused_k=num_valid, softmax_scale=scale)
     return out.transpose(1, 2)
 

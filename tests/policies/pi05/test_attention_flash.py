@@ -101,9 +101,9 @@ def test_valid_keys_first_keeps_attention_unchanged():
     masked attention (checked with the eager reference, no flash kernel involved)."""
     q, k, v, mask = _qkv(b=4, s=31)
     mask[2] = torch.arange(31) % 2 == 0  # holes
-    num_valid = mask.sum(1, dtype=torch.int32)
-    kt = attention._valid_first(k.transpose(1, 2), mask, num_valid).transpose(1, 2)
-    vt = attention._valid_first(v.transpose(1, 2), mask, num_valid).transpose(1, 2)
+    kt, vt, num_valid = attention._valid_first(k.transpose(1, 2), v.transpose(1, 2), mask)
+    kt, vt = kt.transpose(1, 2), vt.transpose(1, 2)
+    assert num_valid.dtype == torch.int32 and torch.equal(num_valid, mask.sum(1, dtype=torch.int32))
     for row in range(4):
         torch.testing.assert_close(kt[row, :, : num_valid[row]], k[row, :, mask[row]])
         torch.testing.assert_close(kt[row, :, num_valid[row] :], k[row, :, ~mask[row]])  # a permutation

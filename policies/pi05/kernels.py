@@ -155,17 +155,25 @@ if HAS_TRITON:  # pragma: no cover - needs a CUDA GPU or the interpreter
         ROTATE: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_D: tl.constexpr,  # noqa: N803
     ):  # fmt: skip
         toks = (t0 + tl.arange(0, BLOCK_T))[:, None].to(tl.int64)
-        d = tl.arange(0, BLOCK_D)[None, :]
-        keep = (toks < n_tok) & (d < hd)
         base = src + b * s_b + toks * s_t + head * s_h
-        x = tl.load(base + d, mask=keep, other=0.0).to(tl.float32)
-        if ROTATE:  # x cos + [x2 | x1] [-sin | sin] (the signed sin table carries the minus)
-            half = hd // 2
-            swapped = tl.load(base + tl.where(d < half, d + half, d - half), mask=keep, other=0.0).to(tl.float32)
-            c = tl.load(cos + b * c_b + toks * c_t + d, mask=keep, other=0.0).to(tl.float32)
-            s = tl.load(sin + b * c_b + toks * c_t + d, mask=keep, other=0.0).to(tl.float32)
-            x = x * c + swapped * s
-        tl.store(dst + b * o_b + toks * o_t + head * o_h + d, x.to(dst.dtype.element_ty), mask=keep)
+        out = dst + b * o_b + toks * o_t + head * o_h
+        if ROTATE:  # [x1 | x2] -> [x1 c1 + x2 s1 | x2 c2 + x1 s2]: the signed sin table carries the minus
+            half = hd // 2  # each half one contiguous tile (vectorised loads, no gather for the swap)
+            d = tl.arange(0, BLOCK_D // 2)[None, :]
+            keep = (toks < n_tok) & (d < half)
+            x1 = tl.load(base + d, mask=keep, other=0.0).to(tl.float32)
+            x2 = tl.load(base + half + d, mask=keep, other=0.0).to(tl.float32)
+            tab = b * c_b + toks * c_t + d
+            c1 = tl.load(cos + tab, mask=keep, other=0.0).to(tl.float32)
+            c2 = tl.load(cos + tab + half, mask=keep, other=0.0).to(tl.float32)
+            s1 = tl.load(sin + tab, mask=keep, other=0.0).to(tl.float32)
+            s2 = tl.load(sin + tab + half, mask=keep, other=0.0).to(tl.float32)
+            tl.store(out + d, (x1 * c1 + x2 * s1).to(dst.dtype.element_ty), mask=keep)
+            tl.store(out + half + d, (x2 * c2 + x1 * s2).to(dst.dtype.element_ty), mask=keep)
+        else:
+            d = tl.arange(0, BLOCK_D)[None, :]
+            keep = (toks < n_tok) & (d < hd)
+            tl.store(out + d, tl.load(base + d, mask=keep, other=0.0).to(dst.dtype.element_ty), mask=keep)
 
     @triton.jit
     def _qkv_rope_kernel(

@@ -50,6 +50,7 @@ TABLES: dict[str, Table] = {
     "skinny_gemm": Table(("gemm", "m", "backend", "block_n", "block_k", "num_warps"),
                          ("us_per_call", "weight_gb_per_s", "max_rel_err", "status")),
     "profile": Table(("case", "batch", "stage", "mode"), ("wall_ms", "kernel_ms", "kernels_per_call")),
+    "prefix_parts": Table(("part", "case", "variant"), ("us_per_call", "tflops", "tb_per_s")),
     "expert_kernels": Table(
         ("case", "batch", "fused_kernels"),
         ("kernels_per_layer_step", "prefix_kernels_per_layer", "denoise_kernels_per_step_outside_layers"),

@@ -77,10 +77,8 @@ def _mask_for(backend: str, mask: torch.Tensor | None, shape: dict[str, int]) ->
     if mask is None:
         return None
     s = shape
-    gemm = backend == "triton" or backend == "gemm" and attention.gemm_serves(
-        s["batch"], s["heads"], s["kv_heads"], s["queries"], s["keys"]
-    )
-    return attention.additive_mask(mask, torch.float32 if gemm else torch.bfloat16)
+    gemm = attention.gemm_serves(s["batch"], s["heads"], s["kv_heads"], s["queries"], s["keys"])
+    return attention.additive_mask(mask, attention.mask_dtype(backend, torch.bfloat16, gemm))
 
 
 def measure(site: str, case: str, batch: int, device: torch.device) -> list[dict[str, Any]]:

@@ -21,7 +21,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from . import kernels
-from .attention import AttentionConfig, AttentionPlan, additive_mask, attend, gemm_serves
+from .attention import AttentionConfig, AttentionPlan, additive_mask, attend, gemm_serves, mask_dtype
 from .config import Pi05Config
 from .gemma import AdaRMSNorm, GemmaStack, Modulation, RMSNorm, rope_cos_sin, upcast, upcast_dtype
 from .heads import NoiseHead, ValueHead
@@ -269,7 +269,7 @@ class Pi05Model(nn.Module):
         cfg = self.config.llm
         positions = torch.cumsum(valid.long(), dim=1) - 1
         cos, sin = rope_cos_sin(positions, cfg.head_dim, cfg.rope_theta, emb.dtype)
-        mask = self._prefix_mask(valid, emb.dtype)  # built once, shared by every layer
+        mask = additive_mask(valid, mask_dtype(self.plan.prefix, emb.dtype))  # built once, shared by every layer
         scale = cfg.head_dim**-0.5
         keys: list[torch.Tensor] = []
         values: list[torch.Tensor] = []
@@ -291,14 +291,6 @@ class Pi05Model(nn.Module):
             keys, values = [k for k, _ in kv_out], [v for _, v in kv_out]
         return PrefixCache(keys, values, valid, valid.long().sum(dim=1), output)
 
-    def _prefix_mask(self, valid: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-        """The prefix's additive key mask, built once per call and shared by every layer.
-
-        Float32 where the Triton kernel adds it (to float32 scores; a half mask ran it 1.3x slower on the H200), else
-        the compute dtype (SDPA's).
-        """
-        return additive_mask(valid, torch.float32 if self.plan.prefix in ("triton", "triton_flash") else dtype)
-
     def _run_prefix_fused(
         self,
         emb: torch.Tensor,
@@ -317,7 +309,7 @@ class Pi05Model(nn.Module):
         n, nkv, hd = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
         positions = torch.cumsum(valid.long(), dim=1) - 1
         cos, sin = (c[:, 0] for c in rope_cos_sin(positions, hd, cfg.rope_theta, emb.dtype))  # (B, T, hd)
-        mask = self._prefix_mask(valid, emb.dtype)
+        mask = additive_mask(valid, mask_dtype(self.plan.prefix, emb.dtype))
         scale = cfg.head_dim**-0.5
         keys: list[torch.Tensor] = []
         values: list[torch.Tensor] = []
@@ -424,10 +416,8 @@ class Pi05Model(nn.Module):
             cache.suffix_rope = rope_cos_sin(positions, cfg.head_dim, cfg.rope_theta, x.dtype)
             valid = torch.cat([cache.key_mask, torch.ones(b, h, dtype=torch.bool, device=x_t.device)], dim=1)
             # "gemm" and "triton" add the mask to float32 scores; SDPA and flash take it in the compute dtype
-            gemm = self.plan.expert == "triton" or self.plan.expert == "gemm" and gemm_serves(
-                b, cfg.num_heads, cfg.num_kv_heads, h, valid.shape[1], torch.is_grad_enabled()
-            )
-            cache.suffix_mask = additive_mask(valid, torch.float32 if gemm else x.dtype)
+            gemm = gemm_serves(b, cfg.num_heads, cfg.num_kv_heads, h, valid.shape[1], torch.is_grad_enabled())
+            cache.suffix_mask = additive_mask(valid, mask_dtype(self.plan.expert, x.dtype, gemm))
         cos, sin = cache.suffix_rope
         key_mask = cache.suffix_mask
         scale = cfg.head_dim**-0.5

@@ -55,17 +55,19 @@ def time_stages(policy: Pi05Policy, inputs: ModelInputs, opts: RolloutConfig, it
 
 
 def bench_case(name: str, batches, out: Path | None, method: str = "ode", value_source: str = "none",
-               warmup: int = 3, iters: int = 20, fused_kernels: bool = True) -> list[dict]:
+               warmup: int = 3, iters: int = 20, fused_kernels: bool = True, attention=None) -> list[dict]:
     """Sweep `batches` for case `name` ("a" or "b"); appends rows to `out` (a folder, or None for results/).
 
-    `fused_kernels`: `SchedulerConfig.fused_kernels` (recorded in the rows).
+    `fused_kernels`: `SchedulerConfig.fused_kernels`; `attention`: an `AttentionConfig` (default "auto"); the rows
+    record both (``attention``: the resolved plan). ``h2d_ms_p50`` times the inputs' host -> device copy alone
+    (pageable host memory, as the timed calls use), ``h2d_pinned_ms_p50`` the same from pinned memory.
     """
     case = CASES[name]
     config = Pi05Config.pi05_base()
     torch.cuda.reset_peak_memory_stats()
     torch.cuda.synchronize()
     start = time.perf_counter()
-    policy: Pi05Policy = build_case_policy(case, batches, method, value_source, fused_kernels)
+    policy: Pi05Policy = build_case_policy(case, batches, method, value_source, fused_kernels, attention=attention)
     torch.cuda.synchronize()
     startup = time.perf_counter() - start
     rows = []
@@ -87,6 +89,17 @@ def bench_case(name: str, batches, out: Path | None, method: str = "ode", value_
             lat.append((time.perf_counter() - t0) * 1e3)
         p50, p90 = percentiles(lat)
         stages = time_stages(policy, inputs, opts, iters)
+        pinned = host_inputs.pin_memory()
+        copies = {}
+        for key, src in (("h2d_ms_p50", host_inputs), ("h2d_pinned_ms_p50", pinned)):
+            times = []
+            for _ in range(iters):
+                torch.cuda.synchronize()
+                t0 = time.perf_counter()
+                src.to(policy.device)
+                torch.cuda.synchronize()
+                times.append((time.perf_counter() - t0) * 1e3)
+            copies[key] = percentiles(times)[0]
         row = {
             "case": name, **{k: (list(v) if isinstance(v, tuple) else v) for k, v in case.items()},
             "method": method, "value_source": value_source, "batch": n, "dtype": config.dtype,
@@ -96,7 +109,8 @@ def bench_case(name: str, batches, out: Path | None, method: str = "ode", value_
             "tflop_per_sample": flops / 1e12, "achieved_tflops": flops * n / (stages["model_ms_p50"] / 1e3) / 1e12,
             "peak_mem_gib": torch.cuda.max_memory_allocated() / 2**30,
             "startup_s": startup, "graph_captures": policy.scheduler.stats.captures,
-            "input_path": "processed uint8 inputs on host -> device (processor timed separately)",
+            "input_path": "processed uint8 inputs on host -> device (processor timed separately)", **copies,
+            "attention": policy.model.plan.report(),
         }
         rows += write_rows(BENCH, [row], out)
     del policy
@@ -121,6 +135,15 @@ def run_targets(out: Path | None = None) -> None:
     bench_case("a", [1, 64], out, iters=10)
     bench_case("b", [64], out, iters=10)
     bench_case("phyai", [1, 32], out, iters=10)
+
+
+def run_vision_ab(out: Path | None = None) -> None:
+    """The vision tower's attention as "auto" picks it and on SDPA, at case (a) and (b) batch 64, same run."""
+    from policies.pi05.attention import AttentionConfig
+
+    for vision in ("auto", "sdpa"):
+        bench_case("a", [64], out, iters=10, attention=AttentionConfig(vision=vision))
+        bench_case("b", [64], out, iters=10, attention=AttentionConfig(vision=vision))
 
 
 def run_quick(out: Path | None = None) -> None:

@@ -4,6 +4,9 @@
 
 - ``lm_gate_up``: the LM's gate and up projections (2048 -> 2 x 16384) as two GEMMs (the model's layout today) and
   as one GEMM over the stacked [gate; up] weight, at the prefix token counts of cases (a) and (b) at batch 64.
+- ``geglu_gemm``: the LM's gate/up projections + GeGLU as the model runs them (two cuBLAS GEMMs, then
+  `kernels.geglu`) against `geglu_gemm.geglu_linear` (one Triton GEMM with the GeGLU in its epilogue) at several
+  launch geometries, with its max relative error against the float32 reference on the first 4,096 rows.
 - ``add_norm`` / ``add_layer_norm``: the fused residual add + norm on the LM's (rows, 2048) and SigLIP's (rows, 1152)
   residual streams at several warp counts (the kernel's default: one warp per 256 columns of the power-of-two
   block, at most 8), with the bytes it moves per second.
@@ -43,6 +46,41 @@ def _gate_up(rows: list, dev: torch.device) -> None:
             rows.append({"part": "lm_gate_up", "case": case, "m": m, "variant": variant, "us_per_call": us,
                          "tflops": flops / us / 1e6})  # fmt: skip
         del x
+        torch.cuda.empty_cache()
+
+
+GEGLU_TILES = ((128, 128, 64, 8, 8, 3), (128, 128, 64, 8, 8, 4), (128, 128, 64, 16, 8, 4), (128, 128, 128, 8, 8, 2),
+               (128, 64, 64, 8, 4, 4), (128, 64, 64, 8, 8, 4), (64, 128, 64, 8, 4, 4), (128, 256, 64, 8, 8, 3),
+               (256, 128, 64, 8, 8, 3), (64, 256, 64, 8, 8, 3), (128, 128, 32, 8, 8, 5), (64, 64, 64, 8, 4, 5))
+"""(block_m, block_n, block_k, group_m, num_warps, num_stages) of the GeGLU GEMM's sweep."""
+
+
+def _geglu_gemm(rows: list, dev: torch.device) -> None:
+    from policies.pi05 import geglu_gemm, kernels
+
+    g = torch.Generator(device=dev).manual_seed(3)
+    gate, up = ((torch.randn(16384, 2048, device=dev, generator=g) * 0.02).bfloat16() for _ in range(2))
+    for case, m in TOKENS.items():
+        x = torch.randn(m, 2048, device=dev, generator=g).bfloat16()
+        ref = geglu_gemm.reference(x[:4096], gate, up)
+        flops = 2 * m * 2048 * 32768
+        us = graph_time_us(lambda x=x: kernels.geglu(F.linear(x, gate), F.linear(x, up)), calls=5)
+        rows.append({"part": "geglu_gemm", "case": case, "m": m, "variant": "cuBLAS gate, up + geglu kernel",
+                     "us_per_call": us, "tflops": flops / us / 1e6,
+                     "max_rel_err": float((kernels.geglu(F.linear(x[:4096], gate), F.linear(x[:4096], up)).float()
+                                           - ref).abs().max() / ref.abs().max())})  # fmt: skip
+        for spec in GEGLU_TILES:
+            tiles = geglu_gemm.GemmTiles(*spec)
+            row = {"part": "geglu_gemm", "case": case, "m": m, "variant": "triton geglu_linear", **vars(tiles)}
+            try:
+                err = (geglu_gemm.geglu_linear(x[:4096], gate, up, tiles).float() - ref).abs().max() / ref.abs().max()
+                us = graph_time_us(lambda x=x, tiles=tiles: geglu_gemm.geglu_linear(x, gate, up, tiles), calls=5)
+                row.update(us_per_call=us, tflops=flops / us / 1e6, max_rel_err=float(err), status="ran")
+            except Exception as err:  # noqa: BLE001 - e.g. out of shared memory: record and go on
+                row["status"] = f"failed: {type(err).__name__}: {err}"[:500]
+            rows.append(row)
+            print(row, flush=True)
+        del x, ref
         torch.cuda.empty_cache()
 
 
@@ -89,7 +127,7 @@ def run(out: Path | None = None) -> list[dict[str, Any]]:
     dev = torch.device("cuda")
     rows: list[dict[str, Any]] = []
     with torch.no_grad():
-        for part in (_gate_up, _norms, _expert_attention):
+        for part in (_geglu_gemm, _gate_up, _norms, _expert_attention):
             part(rows, dev)
             for r in rows[-12:]:
                 print(r, flush=True)

@@ -20,7 +20,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from . import kernels
+from . import geglu_gemm, kernels
 from .attention import AttentionConfig, AttentionPlan, additive_mask, attend, gemm_serves, mask_dtype
 from .config import Pi05Config
 from .gemma import AdaRMSNorm, GemmaStack, Modulation, RMSNorm, rope_cos_sin, upcast, upcast_dtype
@@ -301,8 +301,8 @@ class Pi05Model(nn.Module):
         """`run_prefix` with each residual add fused into the next norm and RoPE fused with the K/V writes.
 
         Per layer: add+norm, the q/k/v GEMMs (one, from `fused_prefix`, where the fused buffers serve), one RoPE kernel
-        writing q (token-major) and K/V into their cache slots, attention, o GEMM, add+norm, the MLP. Same math as the
-        unfused loop, rounded once per kernel.
+        writing q (token-major) and K/V into their cache slots, attention, o GEMM, add+norm, the MLP (gate, up and
+        GeGLU as one GEMM, `geglu_gemm`, then down). Same math as the unfused loop, rounded once per kernel.
         """
         cfg = self.config.llm
         b, t, _ = emb.shape
@@ -339,7 +339,8 @@ class Pi05Model(nn.Module):
                 break
             o = attn.out(attend(q.transpose(1, 2), k_dst, v_dst, mask, scale, self.plan.prefix))
             x, h = kernels.add_norm(x, o, layer.post_attention_layernorm.weight, cfg.eps, add_one=True)
-            delta = layer.mlp(h)
+            mlp = layer.mlp  # gate, up and GeGLU as one GEMM where it serves (`geglu_gemm`)
+            delta = mlp.down_proj(geglu_gemm.geglu_linear(h, mlp.gate_proj.weight, mlp.up_proj.weight))
         output = None
         if need_output:
             _, output = kernels.add_norm(x, delta, self.llm.norm.weight, cfg.eps, add_one=True, store_residual=False)

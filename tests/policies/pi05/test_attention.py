@@ -72,12 +72,12 @@ def test_gemm_serves_autograd_with_the_forward_math(count_sdpa):
         torch.testing.assert_close(out, attend(q, k, v, mask, 1.0, "eager"), atol=1e-6, rtol=1e-5)
 
 
-def test_auto_plan_uses_the_expert_kernel_on_cuda_only():
+def test_auto_plan_uses_the_triton_kernel_on_cuda_only():
     cuda = AttentionConfig().resolve(torch.device("cuda"), torch.bfloat16)
     flash = attention.flash_device_status(torch.device("cuda")) is None  # FlashAttention-4 installed and runnable
     assert cuda.expert == ("triton" if kernels.HAS_TRITON else "gemm")
-    assert cuda.vision == "sdpa" and cuda.prefix == ("triton_flash" if kernels.HAS_TRITON else "flash_large" if flash
-                                                    else "sdpa")  # fmt: skip
+    assert cuda.vision == ("triton" if kernels.HAS_TRITON else "sdpa")
+    assert cuda.prefix == ("triton_flash" if kernels.HAS_TRITON else "flash_large" if flash else "sdpa")
     cpu = AttentionConfig().resolve(torch.device("cpu"), torch.float32)
     assert (cpu.vision, cpu.prefix, cpu.expert) == ("sdpa", "sdpa", "sdpa")
     with pytest.raises(ValueError, match=r"AttentionConfig.expert: expected one of .*'gemm'.*got 'fast'"):

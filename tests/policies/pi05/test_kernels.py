@@ -370,6 +370,29 @@ def test_expert_attention_kernel_matches_float32_softmax(hd, token_major, splits
 
 
 @interpreted
+@pytest.mark.parametrize(("kv_heads", "splits"), [(4, None), (4, 3), (2, 1)])
+def test_attention_kernel_serves_several_kv_heads(kv_heads, splits):
+    """Multi-head (the vision tower's layout: q, k and v views of one fused projection output, token-major) and
+    grouped-query attention: each K/V head serves its own query heads, at one key range and several."""
+    from policies.pi05 import attention_kernel
+    from policies.pi05.attention import additive_mask
+
+    b, t, n, hd = 2, 37, 4, 24
+    g = torch.Generator().manual_seed(3)
+    fused = torch.randn(b, t, n + 2 * kv_heads, hd, generator=g).bfloat16()  # (B, T, [q | k | v] heads, hd)
+    q, k, v = (x.transpose(1, 2) for x in fused.split([n, kv_heads, kv_heads], dim=2))
+    mask = additive_mask(torch.rand(b, t, generator=g) > 0.3, torch.float32)
+    with torch.no_grad():
+        out = attention_kernel.attend(q, k, v, mask, hd**-0.5, splits)
+        none = attention_kernel.attend(q, k, v, None, hd**-0.5, splits)
+    assert out.shape == q.shape and out.transpose(1, 2).is_contiguous()  # (B, T, Nh, hd) in memory
+    assert near(out, attention_kernel.reference(q, k, v, mask, hd**-0.5), ulps=2)
+    assert near(none, attention_kernel.reference(q, k, v, None, hd**-0.5), ulps=2)
+    head_major = attention_kernel.attend(q.contiguous(), k, v, mask, hd**-0.5, splits)
+    assert head_major.is_contiguous() and near(head_major, out, ulps=1)
+
+
+@interpreted
 def test_expert_attention_kernel_key_splits_and_tiles_agree():
     """One key range per row block and several (the combine kernel), and every launch geometry the size rule picks,
     compute the same softmax."""
@@ -419,3 +442,35 @@ def test_tiny_bf16_policy_with_the_expert_kernel_matches_gemm():
     a, b = outs["gemm"], outs["triton"]
     assert torch.equal(a.chains[:, 0], b.chains[:, 0])
     assert torch.allclose(a.chains, b.chains, atol=5e-2, rtol=0), (a.chains - b.chains).abs().max()
+
+
+@interpreted
+@pytest.mark.parametrize("tiles", [(32, 32, 16, 2, 4, 2), (16, 64, 32, 1, 4, 3)])
+def test_geglu_gemm_matches_float32_formula(tiles):
+    """Rows not a multiple of the row block (the descriptors' zero padding and clipped stores), a leading batch
+    dimension, several programs per M group: within one bfloat16 ulp of the float32 formula (one rounding)."""
+    from policies.pi05 import geglu_gemm
+
+    g = torch.Generator().manual_seed(4)
+    x = torch.randn(3, 37, 64, generator=g).bfloat16()
+    gate_w, up_w = ((torch.randn(96, 64, generator=g) * 0.2).bfloat16() for _ in range(2))
+    with torch.no_grad():
+        assert geglu_gemm.serves(x, gate_w, up_w)
+        out = geglu_gemm.geglu_linear(x, gate_w, up_w, geglu_gemm.GemmTiles(*tiles))
+    assert out.shape == (3, 37, 96) and out.dtype == torch.bfloat16
+    assert near(out, geglu_gemm.reference(x, gate_w, up_w), ulps=1)
+
+
+@interpreted
+def test_geglu_gemm_hands_other_calls_to_the_two_gemms():
+    """Autograd and a transposed weight are not served: the unfused GEMMs + `kernels.geglu` compute them."""
+    from policies.pi05 import geglu_gemm
+
+    g = torch.Generator().manual_seed(5)
+    x = torch.randn(5, 32, generator=g)
+    gate_w, up_w = torch.randn(16, 32, generator=g), torch.randn(16, 32, generator=g)
+    want = torch.nn.functional.gelu(x @ gate_w.T, approximate="tanh") * (x @ up_w.T)
+    assert not geglu_gemm.serves(x, gate_w, up_w)  # float32
+    xb, wt = x.bfloat16(), gate_w.bfloat16().T.contiguous().T
+    assert not geglu_gemm.serves(xb, wt, up_w.bfloat16())  # a transposed view
+    assert torch.allclose(geglu_gemm.geglu_linear(x, gate_w, up_w), want, atol=1e-5)

@@ -124,7 +124,7 @@ def measure(site: str, case: str, batch: int, device: torch.device) -> list[dict
             row["status"] = f"failed: {type(err).__name__}: {err}"[:800]
             row["traceback"] = traceback.format_exc()[-1500:]
         rows.append(row)
-    if not attention.triton_shape_status(device, q.dtype, shape["heads"], shape["kv_heads"], shape["head_dim"]):
+    if site != "vision" and not attention.triton_shape_status(device, q.dtype, shape["kv_heads"], shape["head_dim"]):
         rows += _triton_direct(x, scale, ref, site, case, batch, sweep=site == "expert" and batch == 1)
     return rows
 
@@ -136,7 +136,7 @@ def _triton_direct(
     key splits (``kernel`` "triton (direct)"), and with `sweep` also at forced splits (`SPLITS`) and block widths."""
     from policies.pi05 import attention, attention_kernel
 
-    mask = None if x["mask"] is None else attention.additive_mask(x["mask"], torch.float32)
+    mask = attention.additive_mask(x["mask"], torch.float32)
     rows = []
     for splits, block_n in [(None, None)] + [(s, n) for s in SPLITS for n in (32, 64)] * sweep:
         forced = {} if splits is None else {"splits": splits, "block_n": block_n}
@@ -166,7 +166,6 @@ def _time_triton(row: dict, x: dict, mask: torch.Tensor, scale: float, ref: torc
 
 TUNE_SHAPES = (("expert", "a", 1), ("expert", "b", 1), ("expert", "a", 64), ("expert", "b", 64),
                ("prefix", "a", 1), ("prefix", "b", 1), ("prefix", "a", 64), ("prefix", "b", 64))  # fmt: skip
-VISION_SHAPES = (("vision", "a", 1), ("vision", "b", 1), ("vision", "a", 64), ("vision", "b", 64))
 
 
 def tune(out: Path | None = None, shapes: tuple = TUNE_SHAPES) -> list[dict[str, Any]]:
@@ -189,14 +188,13 @@ def tune(out: Path | None = None, shapes: tuple = TUNE_SHAPES) -> list[dict[str,
         scale = x["shape"]["head_dim"] ** -0.5
         with torch.no_grad():
             ref = attention.attend(x["q"].float(), x["k"].float(), x["v"].float(), x["mask"], scale, "eager")
-        masked = x["mask"] is not None
-        mask = attention.additive_mask(x["mask"], torch.float32) if masked else None
+        mask = attention.additive_mask(x["mask"], torch.float32)
         base = {"site": site, "case": case, "env_batch": batch, "tune": True, **x["shape"]}
         measured = []
         for tiles in tiles_grid:
             row = {**base, "backend": "triton", "kernel": "triton", **vars(tiles)}
             measured.append(_time_triton(row, x, mask, scale, ref, None, tiles))
-        sdpa_mask = attention.additive_mask(x["mask"], torch.bfloat16) if masked else None
+        sdpa_mask = attention.additive_mask(x["mask"], torch.bfloat16)
 
         def sdpa(x=x, sdpa_mask=sdpa_mask, scale=scale):
             return attention.attend(x["q"], x["k"], x["v"], sdpa_mask, scale, "sdpa")
@@ -211,11 +209,6 @@ def tune(out: Path | None = None, shapes: tuple = TUNE_SHAPES) -> list[dict[str,
         del x, ref
         torch.cuda.empty_cache()
     return rows
-
-
-def tune_vision(out: Path | None = None) -> list[dict[str, Any]]:
-    """`tune` at the vision tower's shapes (16 heads of 72, 256 keys, no mask; `VISION_SHAPES`)."""
-    return tune(out, VISION_SHAPES)
 
 
 def run(

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import argparse
 import time
+from dataclasses import fields, replace
 from pathlib import Path
 
 import torch
@@ -55,11 +56,11 @@ def time_stages(policy: Pi05Policy, inputs: ModelInputs, opts: RolloutConfig, it
 
 
 def bench_case(name: str, batches, out: Path | None, method: str = "ode", value_source: str = "none",
-               warmup: int = 3, iters: int = 20, fused_kernels: bool = True, attention=None) -> list[dict]:
+               warmup: int = 3, iters: int = 20, fused_kernels: bool = True) -> list[dict]:
     """Sweep `batches` for case `name` ("a" or "b"); appends rows to `out` (a folder, or None for results/).
 
-    `fused_kernels`: `SchedulerConfig.fused_kernels`; `attention`: an `AttentionConfig` (default "auto"); the rows
-    record both (``attention``: the resolved plan). ``h2d_ms_p50`` times the inputs' host -> device copy alone
+    `fused_kernels`: `SchedulerConfig.fused_kernels` (recorded in the rows, with ``attention``, the resolved attention
+    plan). ``h2d_ms_p50`` times the inputs' host -> device copy alone
     (pageable host memory, as the timed calls use), ``h2d_pinned_ms_p50`` the same from pinned memory.
     """
     case = CASES[name]
@@ -67,7 +68,7 @@ def bench_case(name: str, batches, out: Path | None, method: str = "ode", value_
     torch.cuda.reset_peak_memory_stats()
     torch.cuda.synchronize()
     start = time.perf_counter()
-    policy: Pi05Policy = build_case_policy(case, batches, method, value_source, fused_kernels, attention=attention)
+    policy: Pi05Policy = build_case_policy(case, batches, method, value_source, fused_kernels)
     torch.cuda.synchronize()
     startup = time.perf_counter() - start
     rows = []
@@ -89,7 +90,8 @@ def bench_case(name: str, batches, out: Path | None, method: str = "ode", value_
             lat.append((time.perf_counter() - t0) * 1e3)
         p50, p90 = percentiles(lat)
         stages = time_stages(policy, inputs, opts, iters)
-        pinned = host_inputs.pin_memory()
+        pinned = replace(host_inputs, **{f.name: getattr(host_inputs, f.name).pin_memory() for f in fields(host_inputs)
+                                         if isinstance(getattr(host_inputs, f.name), torch.Tensor)})
         copies = {}
         for key, src in (("h2d_ms_p50", host_inputs), ("h2d_pinned_ms_p50", pinned)):
             times = []
@@ -135,15 +137,6 @@ def run_targets(out: Path | None = None) -> None:
     bench_case("a", [1, 64], out, iters=10)
     bench_case("b", [64], out, iters=10)
     bench_case("phyai", [1, 32], out, iters=10)
-
-
-def run_vision_ab(out: Path | None = None) -> None:
-    """The vision tower's attention as "auto" picks it and on SDPA, at case (a) and (b) batch 64, same run."""
-    from policies.pi05.attention import AttentionConfig
-
-    for vision in ("auto", "sdpa"):
-        bench_case("a", [64], out, iters=10, attention=AttentionConfig(vision=vision))
-        bench_case("b", [64], out, iters=10, attention=AttentionConfig(vision=vision))
 
 
 def run_quick(out: Path | None = None) -> None:

@@ -207,12 +207,11 @@ def build_case_policy(
     value_source: str,
     fused_kernels: bool = True,
     config_overrides: Mapping[str, Any] | None = None,
-    attention: Any = None,
 ) -> Any:
     """Full-size random-weight `Pi05Policy` with graphs for one of `CASES` at `batches`, on CUDA if present.
 
     `fused_kernels` is `SchedulerConfig.fused_kernels`; `config_overrides` replace `Pi05Config` fields (e.g. a
-    shallower `llm`/`expert` for per-layer kernel counts); `attention` an `AttentionConfig` (default: "auto").
+    shallower `llm`/`expert` for per-layer kernel counts).
     """
     from policies.pi05.config import Pi05Config
     from policies.pi05.model import Pi05Model, torch_dtype
@@ -223,7 +222,7 @@ def build_case_policy(
     cfg = Pi05Config.pi05_base(action_horizon=case["horizon"], num_steps=case["num_steps"], value_source=value_source,
                                **(config_overrides or {}))  # fmt: skip
     with torch.device(device):
-        model = Pi05Model(cfg, attention)
+        model = Pi05Model(cfg)
     model.set_precision(torch_dtype(cfg.dtype))
     sched = SchedulerConfig(
         max_batch_size=max(batches), batch_buckets=tuple(sorted(set(batches))), prompt_buckets=(case["prompt"],),

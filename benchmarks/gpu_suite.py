@@ -125,8 +125,6 @@ SECTIONS: dict[str, Section] = {
     "attention_backend": section("benchmarks.bench_attention_backend"),
     "attention_expert": section("benchmarks.bench_attention_backend", sites=("expert",)),
     "attention_tune": section("benchmarks.bench_attention_backend", "tune"),
-    "attention_tune_vision": section("benchmarks.bench_attention_backend", "tune_vision"),
-    "policy_vision_ab": section("benchmarks.bench_policy", "run_vision_ab"),
     "prefix_parts": section("benchmarks.bench_prefix_parts"),
     "skinny_gemm": section("benchmarks.bench_skinny_gemm"),
     "profile_a1": section("benchmarks.profile_policy", plan=(("a", (1,)),)),

@@ -224,7 +224,7 @@ def _gemm(q, k, v, key_mask, scale):
 
 
 def triton_shape_status(
-    device: torch.device, dtype: torch.dtype, heads: int, kv_heads: int, head_dim: int, grad: bool = False
+    device: torch.device, dtype: torch.dtype, kv_heads: int, head_dim: int, grad: bool = False
 ) -> str | None:
     """Why "triton" hands a call of this geometry to "gemm", or None when `attention_kernel` runs it."""
     if not kernels.HAS_TRITON:
@@ -235,8 +235,8 @@ def triton_shape_status(
         return f"dtype {dtype} (the kernel runs float16/bfloat16)"
     if grad:
         return "autograd call (the kernel is forward-only)"
-    if heads % kv_heads:
-        return f"{heads} query heads are not a multiple of {kv_heads} K/V heads"
+    if kv_heads != 1:
+        return f"{kv_heads} K/V heads (the kernel folds the query heads of one)"
     if not 8 <= head_dim <= 256:
         return f"head_dim {head_dim} (the kernel runs 8..256)"
     return None
@@ -269,8 +269,8 @@ def flash_shape_status(
     fits = 8 <= head_dim <= 256 if major == 9 else 8 <= head_dim <= 128 or head_dim == 256
     if head_dim % 8 or not fits:
         return f"head_dim {head_dim} (sm{major}x runs multiples of 8 in {widths})"
-    if heads % kv_heads:
-        return f"{heads} query heads are not a multiple of {kv_heads} K/V heads"
+    if kv_heads != 1:
+        return f"{kv_heads} K/V heads (the kernel folds the query heads of one)"
     return None
 
 
@@ -371,7 +371,7 @@ def served_by(
             return f"{flash_kernel_name()} (triton_flash: at or above FLASH_MIN_SCORES)"
         backend = "triton"
     if backend == "triton":
-        if triton_shape_status(device, dtype, heads, kv_heads, head_dim, grad) is None:
+        if triton_shape_status(device, dtype, kv_heads, head_dim, grad) is None:
             return "triton"
         backend = "gemm"
     if backend == "gemm":
@@ -431,8 +431,8 @@ class AttentionConfig:
     it runs: CUDA sm90/sm100, a half dtype, `flash_attn.cute` importable), without triton "flash_large" (the same
     hand-over, to SDPA below it); for the expert on CUDA "triton" (short query blocks against the prefix cache as one
     Triton kernel, faster than SDPA at batch 1 and 64; autograd calls go to "gemm") where triton is installed, else
-    "gemm"; for the vision tower on CUDA "triton" where triton is installed (its 16 heads as 16 K/V heads of one query
-    head each; SDPA where the kernel does not serve); SDPA everywhere else. A request that cannot be served falls back
+    "gemm"; SDPA for the vision tower (the Triton kernel ran its 16-head calls 2.9x slower: `attention_backend.jsonl`
+    rows with ``tune`` at site "vision") and everywhere else. A request that cannot be served falls back
     (flash -> sdpa, triton -> gemm -> sdpa) and the fallback is recorded in `AttentionPlan.reasons`;
     `AttentionPlan.flash` says which flash kernel runs, or why none does.
 
@@ -468,8 +468,6 @@ class AttentionConfig:
             if want == "auto":
                 if site == "expert" and device.type == "cuda":
                     choice = "triton" if kernels.HAS_TRITON else "gemm"
-                elif site == "vision" and device.type == "cuda" and kernels.HAS_TRITON:
-                    choice = "triton"
                 elif site == "prefix" and device.type == "cuda" and kernels.HAS_TRITON:
                     choice = "triton_flash"
                     if no_flash is not None:

@@ -1,4 +1,4 @@
-"""One Triton kernel for attention: each K/V head's query heads folded into rows, split over the keys.
+"""One Triton kernel for multi-query attention: folded query rows against one K/V head, split over the keys.
 
 The denoise loop's attention is H action tokens x Nh query heads against one K/V head of S = T + H keys (the
 prefix cache and the action tokens' own K/V). Folding the heads that share the K/V head into Nh * H query rows
@@ -9,15 +9,14 @@ block the program normalises and writes the output itself; with several (small b
 would occupy a few SMs) each writes its float32 partial (sum, max, normaliser) and a second kernel combines them,
 all ranges of a row in one tile reduction (a fixed order). Either way the call is deterministic and
 graph-capturable, and it replaces the "gemm" path's five kernels (scores GEMM, softmax, cast, PV GEMM with its
-split-K reduce). The prefix LM's calls (all prefix tokens against the prefix keys) run it too, and so can the
-vision tower's multi-head calls (16 K/V heads with a group of one query head each: a program per row block and head).
-The launch geometry (`Tiles`: rows and keys per program, warps, pipeline stages) follows the call's size
-(`tiles_for`); the softmax runs in base 2 (exp2 of scores scaled by log2(e)).
+split-K reduce). The prefix LM's calls (all prefix tokens against the prefix keys) run it too. The launch geometry
+(`Tiles`: rows and keys per program, warps, pipeline stages) follows the call's size (`tiles_for`); the softmax runs
+in base 2 (exp2 of scores scaled by log2(e)).
 
 Rounding: as "gemm" (`attention._gemm`) up to float32 summation order, except that the probabilities are cast to
 the value dtype before normalisation instead of after (each rounds once, relative error 2^-9 either way).
 
-Where it runs: CUDA half tensors outside autograd, query heads a multiple of the K/V heads, a head width of 8..256
+Where it runs: CUDA half tensors outside autograd with one K/V head and a head width from 8 to 256
 (`serves`); under ``TRITON_INTERPRET=1`` also half CPU tensors (the CPU tests). Everything else is the caller's
 to route ("triton" in `attention.attend` hands it to "gemm").
 
@@ -88,7 +87,7 @@ if kernels.HAS_TRITON:  # pragma: no cover - needs a CUDA GPU or the interpreter
 
     @triton.jit
     def _attend_block(
-        q, m_i, l_i, acc, k_base, v_base, m_base, block, n_keys, scale, k_s, v_s, d, d_ok,
+        q, m_i, l_i, acc, k_ptr, v_ptr, m_ptr, block, b, n_keys, scale, k_b, k_s, v_b, v_s, m_b, d, d_ok,
         HAS_MASK: tl.constexpr, INTERPRET: tl.constexpr, BLOCK_N: tl.constexpr,  # noqa: N803
     ):  # fmt: skip
         # One block of BLOCK_N keys folded into the running (max, normaliser, unnormalised sum) of the rows, in
@@ -96,17 +95,17 @@ if kernels.HAS_TRITON:  # pragma: no cover - needs a CUDA GPU or the interpreter
         keys = block * BLOCK_N + tl.arange(0, BLOCK_N)
         key_ok = keys < n_keys
         kv_ok = key_ok[:, None] & d_ok[None, :]
-        k = tl.load(k_base + keys[:, None] * k_s + d[None, :], mask=kv_ok, other=0.0)
+        k = tl.load(k_ptr + b * k_b + keys[:, None] * k_s + d[None, :], mask=kv_ok, other=0.0)
         if INTERPRET:  # the interpreter's tl.dot misreads bfloat16; half products are exact in float32
             k = k.to(tl.float32)
         s = tl.dot(q, tl.trans(k)) * scale  # (BLOCK_M, BLOCK_N) float32
         if HAS_MASK:  # the additive mask is finite (MASK_VALUE), so a fully masked block stays finite
-            s = s + tl.load(m_base + keys, mask=key_ok, other=0.0).to(tl.float32)[None, :]
+            s = s + tl.load(m_ptr + b * m_b + keys, mask=key_ok, other=0.0).to(tl.float32)[None, :]
         s = tl.where(key_ok[None, :], s, float("-inf"))
         m_new = tl.maximum(m_i, tl.max(s, axis=1))
         alpha = tl.exp2(m_i - m_new)
         p = tl.exp2(s - m_new[:, None])
-        vt = tl.load(v_base + keys[:, None] * v_s + d[None, :], mask=kv_ok, other=0.0)
+        vt = tl.load(v_ptr + b * v_b + keys[:, None] * v_s + d[None, :], mask=kv_ok, other=0.0)
         pv = p.to(vt.dtype)
         if INTERPRET:
             pv, vt = pv.to(tl.float32), vt.to(tl.float32)
@@ -115,26 +114,22 @@ if kernels.HAS_TRITON:  # pragma: no cover - needs a CUDA GPU or the interpreter
     @triton.jit(do_not_specialize=["n_keys", "iters", "splits", "m_b"])
     def _attend_split_kernel(
         q_ptr, k_ptr, v_ptr, m_ptr, o_ptr, po_ptr, pm_ptr, pl_ptr,
-        rows, inner, kv_heads, n_keys, iters, splits, scale, q_b, q_h, q_outer, q_inner, k_b, k_h, k_s,
-        v_b, v_h, v_s, m_b, o_b, o_h, o_outer, o_inner,
+        rows, inner, n_keys, iters, splits, scale, q_b, q_outer, q_inner, k_b, k_s, v_b, v_s, m_b, o_b,
         HAS_MASK: tl.constexpr, INTERPRET: tl.constexpr,  # noqa: N803
         BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, D: tl.constexpr, HD: tl.constexpr,  # noqa: N803
     ):  # fmt: skip
-        # Program (row block, key range, (batch row, K/V head)). Row r of a K/V head's folded queries is
-        # (r // inner, r % inner) in q's (outer, inner) dimensions: (token, head of the group) when q is token-major,
-        # (head of the group, token) otherwise; the output is laid out the same way. Shape-dependent sizes are
-        # runtime values (not specialised): one compiled kernel serves every batch bucket.
-        pid_m, pid_s, bh = tl.program_id(0), tl.program_id(1), tl.program_id(2).to(tl.int64)
-        b, h = bh // kv_heads, bh % kv_heads
+        # Program (row block, key range, batch row). Row r of the folded queries is (r // inner, r % inner) in
+        # q's (outer, inner) dimensions: (token, head) when q is token-major, (head, token) otherwise. Shape-
+        # dependent sizes are runtime values (not specialised): one compiled kernel serves every batch bucket.
+        pid_m, pid_s, b = tl.program_id(0), tl.program_id(1), tl.program_id(2).to(tl.int64)
         r = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
         d = tl.arange(0, D)  # the head width HD padded to a power of two (zeros beyond it)
         d_ok = d < HD
         row_ok = r < rows
-        q_rows = b * q_b + h * q_h + (r // inner) * q_outer + (r % inner) * q_inner
+        q_rows = b * q_b + (r // inner) * q_outer + (r % inner) * q_inner
         q = tl.load(q_ptr + q_rows[:, None] + d[None, :], mask=row_ok[:, None] & d_ok[None, :], other=0.0)
         if INTERPRET:
             q = q.to(tl.float32)
-        k_base, v_base, m_base = k_ptr + b * k_b + h * k_h, v_ptr + b * v_b + h * v_h, m_ptr + b * m_b
         m_i = tl.full((BLOCK_M,), float("-inf"), tl.float32)
         l_i = tl.zeros((BLOCK_M,), tl.float32)
         acc = tl.zeros((BLOCK_M, D), tl.float32)
@@ -142,54 +137,51 @@ if kernels.HAS_TRITON:  # pragma: no cover - needs a CUDA GPU or the interpreter
         if INTERPRET:  # the interpreter runs no `for` over a runtime bound
             i = 0
             while i < iters:
-                m_i, l_i, acc = _attend_block(q, m_i, l_i, acc, k_base, v_base, m_base, first + i, n_keys, scale,
-                                              k_s, v_s, d, d_ok, HAS_MASK, INTERPRET, BLOCK_N)
+                m_i, l_i, acc = _attend_block(q, m_i, l_i, acc, k_ptr, v_ptr, m_ptr, first + i, b, n_keys, scale,
+                                              k_b, k_s, v_b, v_s, m_b, d, d_ok, HAS_MASK, INTERPRET, BLOCK_N)
                 i += 1
         else:
             for i in range(0, iters):
-                m_i, l_i, acc = _attend_block(q, m_i, l_i, acc, k_base, v_base, m_base, first + i, n_keys, scale,
-                                              k_s, v_s, d, d_ok, HAS_MASK, INTERPRET, BLOCK_N)
-        if splits > 1:  # float32 partials (B * Nkv, splits, rows[, HD]) for the combine kernel
-            part = (bh * splits + pid_s) * rows + r
+                m_i, l_i, acc = _attend_block(q, m_i, l_i, acc, k_ptr, v_ptr, m_ptr, first + i, b, n_keys, scale,
+                                              k_b, k_s, v_b, v_s, m_b, d, d_ok, HAS_MASK, INTERPRET, BLOCK_N)
+        if splits > 1:  # float32 partials (B, splits, rows[, HD]) for the combine kernel
+            part = (b * splits + pid_s) * rows + r
             tl.store(po_ptr + part[:, None] * HD + d[None, :], acc, mask=row_ok[:, None] & d_ok[None, :])
             tl.store(pm_ptr + part, m_i, mask=row_ok)
             tl.store(pl_ptr + part, l_i, mask=row_ok)
         else:
             out = acc / l_i[:, None]
-            o_rows = b * o_b + h * o_h + (r // inner) * o_outer + (r % inner) * o_inner
-            tl.store(o_ptr + o_rows[:, None] + d[None, :], out.to(o_ptr.dtype.element_ty),
+            tl.store(o_ptr + b * o_b + r[:, None] * HD + d[None, :], out.to(o_ptr.dtype.element_ty),
                      mask=row_ok[:, None] & d_ok[None, :])  # fmt: skip
 
     @triton.jit(do_not_specialize=["rows", "splits", "o_b"])
     def _attend_combine_kernel(
-        po_ptr, pm_ptr, pl_ptr, o_ptr, rows, inner, kv_heads, splits, o_b, o_h, o_outer, o_inner,
+        po_ptr, pm_ptr, pl_ptr, o_ptr, rows, splits, o_b,
         MAX_SPLITS: tl.constexpr, BLOCK_D: tl.constexpr, HD: tl.constexpr,  # noqa: N803
     ):  # fmt: skip
-        # Program (row, column block, (batch row, K/V head)): every key range's partial of the row as one
-        # (MAX_SPLITS, BLOCK_D) tile, weighted by exp(m_s - max m_s) and reduced at once (one round of loads, no loop).
-        r, pid_d, bh = tl.program_id(0), tl.program_id(1), tl.program_id(2).to(tl.int64)
+        # Program (row, column block, batch row): every key range's partial of the row as one (MAX_SPLITS,
+        # BLOCK_D) tile, weighted by exp(m_s - max m_s) and reduced at once (one round of loads, no loop).
+        r, pid_d, b = tl.program_id(0), tl.program_id(1), tl.program_id(2).to(tl.int64)
         ranges = tl.arange(0, MAX_SPLITS)
         d = pid_d * BLOCK_D + tl.arange(0, BLOCK_D)
         used = ranges < splits
-        part = (bh * splits + ranges) * rows + r  # (MAX_SPLITS,)
+        part = (b * splits + ranges) * rows + r  # (MAX_SPLITS,)
         m_s = tl.load(pm_ptr + part, mask=used, other=float("-inf"))
         w = tl.exp2(m_s - tl.max(m_s, axis=0))  # 0 for the unused ranges (maxima in base 2)
         den = tl.sum(w * tl.load(pl_ptr + part, mask=used, other=0.0), axis=0)
         acc = tl.load(po_ptr + part[:, None] * HD + d[None, :], mask=used[:, None] & (d < HD)[None, :], other=0.0)
         out = tl.sum(w[:, None] * acc, axis=0) / den
-        o_row = (bh // kv_heads) * o_b + (bh % kv_heads) * o_h + (r // inner) * o_outer + (r % inner) * o_inner
-        tl.store(o_ptr + o_row + d, out.to(o_ptr.dtype.element_ty), mask=d < HD)
+        tl.store(o_ptr + b * o_b + r * HD + d, out.to(o_ptr.dtype.element_ty), mask=d < HD)
 
 
 def serves(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> bool:
-    """Whether `attend` runs this call: CUDA half (or the interpreter), no autograd, 8..256 wide, grouped heads."""
+    """Whether `attend` runs this call: CUDA half (or the interpreter), no autograd, one K/V head, 8..256 wide."""
     hd = q.shape[-1]
     needs_grad = torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad)
     return (
         kernels.triton_serves(q)
         and not needs_grad
-        and q.shape[1] % k.shape[1] == 0
-        and k.shape[1] == v.shape[1]
+        and k.shape[1] == 1
         and k.dtype == v.dtype == q.dtype
         and 8 <= hd <= 256
         and q.stride(-1) == k.stride(-1) == v.stride(-1) == 1
@@ -216,28 +208,20 @@ def attend(
     splits: int | None = None,
     tiles: Tiles | None = None,
 ) -> torch.Tensor:
-    """Attention of q (B, Nh, T, hd) over K/V (B, Nkv, S, hd); `key_mask` additive (B or 1, 1, 1, S) or None.
+    """Attention of q (B, Nh, T, hd) over one K/V head (B, 1, S, hd); `key_mask` additive (B or 1, 1, 1, S) or None.
 
-    Nh is a multiple of Nkv: each K/V head's group of Nh / Nkv query heads is folded into one block of rows
-    (multi-query attention: one group of all Nh; multi-head: groups of one). Returns (B, Nh, T, hd) in q's dtype,
-    laid out as q (a token-major q gives a token-major result, whose o-projection reshape is free). `splits` (the
-    number of key ranges, default `num_splits`) and `tiles` (the launch geometry, default `tiles_for`) are
-    benchmarks' overrides.
+    Returns (B, Nh, T, hd) in q's dtype, laid out as q (a token-major q gives a token-major result, whose
+    o-projection reshape is free). `splits` (the number of key ranges, default `num_splits`) and `tiles` (the launch
+    geometry, default `tiles_for`) are benchmarks' overrides.
     """
     b, n, t, hd = q.shape
-    nkv, s = k.shape[1], k.shape[2]
-    group = n // nkv
+    s = k.shape[2]
     token_major = q.stride(1) < q.stride(2)
-    inner = group if token_major else t
+    inner = n if token_major else t
     q_outer, q_inner = (q.stride(2), q.stride(1)) if token_major else (q.stride(1), q.stride(2))
-    rows = group * t  # folded query rows per K/V head
+    rows = n * t
     width = max(16, 1 << (hd - 1).bit_length())  # the head width as a power of two
-    if token_major:  # out (B, T, Nh, hd): row (token, head of the group)
-        out = torch.empty(b, t, n, hd, dtype=q.dtype, device=q.device)
-        o_h, o_outer = group * hd, n * hd
-    else:  # out (B, Nh, T, hd): row (head of the group, token)
-        out = torch.empty(b, n, t, hd, dtype=q.dtype, device=q.device)
-        o_h, o_outer = group * t * hd, t * hd
+    out = torch.empty(b, rows, hd, dtype=q.dtype, device=q.device)
     if key_mask is not None:
         if key_mask.dtype == torch.bool:
             raise TypeError("attention_kernel.attend: key_mask must be an additive mask (attention.additive_mask)")
@@ -246,42 +230,40 @@ def attend(
         assert mask.stride(1) == 1
     else:
         mask, m_b = q.new_empty(1), 0  # never read
-    programs = b * nkv  # (batch row, K/V head) pairs
-    tiles = tiles or tiles_for(programs, rows)
+    tiles = tiles or tiles_for(b, rows)
     block_m, block_n = tiles.block_m, tiles.block_n
-    splits = min(splits or num_splits(programs, rows, s, tiles), MAX_SPLITS)
+    splits = min(splits or num_splits(b, rows, s, tiles), MAX_SPLITS)
     iters = _cdiv(_cdiv(s, block_n), splits)  # key blocks per range
     splits = _cdiv(_cdiv(s, block_n), iters)
     if splits > 1:
-        part_o = torch.empty(programs, splits, rows, hd, dtype=torch.float32, device=q.device)
-        part_m = torch.empty(programs, splits, rows, dtype=torch.float32, device=q.device)
+        part_o = torch.empty(b, splits, rows, hd, dtype=torch.float32, device=q.device)
+        part_m = torch.empty(b, splits, rows, dtype=torch.float32, device=q.device)
         part_l = torch.empty_like(part_m)
     else:
         part_o, part_m, part_l = (torch.empty(1, dtype=torch.float32, device=q.device) for _ in range(3))  # unused
-    _attend_split_kernel[(_cdiv(rows, block_m), splits, programs)](
+    m_blocks = _cdiv(rows, block_m)
+    _attend_split_kernel[(m_blocks, splits, b)](
         q, k, v, mask, out, part_o, part_m, part_l,
-        rows, inner, nkv, s, iters, splits, scale * LOG2E, q.stride(0), group * q.stride(1), q_outer, q_inner,
-        k.stride(0), k.stride(1), k.stride(2), v.stride(0), v.stride(1), v.stride(2), m_b,
-        out.stride(0), o_h, o_outer, hd, HAS_MASK=key_mask is not None, INTERPRET=kernels.INTERPRETED,
+        rows, inner, s, iters, splits, scale * LOG2E, q.stride(0), q_outer, q_inner, k.stride(0), k.stride(2),
+        v.stride(0), v.stride(2), m_b, out.stride(0), HAS_MASK=key_mask is not None, INTERPRET=kernels.INTERPRETED,
         BLOCK_M=block_m, BLOCK_N=block_n, D=width, HD=hd, num_warps=tiles.num_warps if width >= 128 else 4,
         num_stages=tiles.num_stages,
     )  # fmt: skip
     if splits > 1:
         block_d = min(COMBINE_D, width)
-        _attend_combine_kernel[(rows, _cdiv(hd, block_d), programs)](
-            part_o, part_m, part_l, out, rows, inner, nkv, splits, out.stride(0), o_h, o_outer, hd,
-            MAX_SPLITS=MAX_SPLITS, BLOCK_D=block_d, HD=hd, num_warps=4,
-        )  # fmt: skip
-    return out.transpose(1, 2) if token_major else out
+        _attend_combine_kernel[(rows, _cdiv(hd, block_d), b)](part_o, part_m, part_l, out, rows, splits, out.stride(0),
+                                                              MAX_SPLITS=MAX_SPLITS, BLOCK_D=block_d, HD=hd,
+                                                              num_warps=4)  # fmt: skip
+    if token_major:
+        return out.view(b, t, n, hd).transpose(1, 2)
+    return out.view(b, n, t, hd)
 
 
 def reference(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, key_mask: torch.Tensor | None, scale: float
 ) -> torch.Tensor:
-    """What `attend` computes, in float32 PyTorch: softmax(scale q k^T + mask) v, each K/V head shared by its group."""
-    group = q.shape[1] // k.shape[1]
-    k, v = k.float().repeat_interleave(group, dim=1), v.float().repeat_interleave(group, dim=1)
-    scores = torch.einsum("bntd,bnsd->bnts", q.float(), k) * scale
+    """What `attend` computes, in float32 PyTorch: softmax(scale q k^T + mask) v over the shared K/V head."""
+    scores = torch.einsum("bntd,bsd->bnts", q.float(), k[:, 0].float()) * scale
     if key_mask is not None:
         scores = scores + key_mask.float().reshape(key_mask.shape[0], 1, 1, -1)
-    return torch.einsum("bnts,bnsd->bntd", torch.softmax(scores, dim=-1), v)
+    return torch.einsum("bnts,bsd->bntd", torch.softmax(scores, dim=-1), v[:, 0].float())

@@ -47,7 +47,7 @@ class GemmTiles:
     num_stages: int = 3
 
 
-DEFAULT_TILES = GemmTiles()
+DEFAULT_TILES = GemmTiles(group_m=16, num_stages=4)
 
 
 if kernels.HAS_TRITON:  # pragma: no cover - needs a CUDA GPU or the interpreter

@@ -370,29 +370,6 @@ def test_expert_attention_kernel_matches_float32_softmax(hd, token_major, splits
 
 
 @interpreted
-@pytest.mark.parametrize(("kv_heads", "splits"), [(4, None), (4, 3), (2, 1)])
-def test_attention_kernel_serves_several_kv_heads(kv_heads, splits):
-    """Multi-head (the vision tower's layout: q, k and v views of one fused projection output, token-major) and
-    grouped-query attention: each K/V head serves its own query heads, at one key range and several."""
-    from policies.pi05 import attention_kernel
-    from policies.pi05.attention import additive_mask
-
-    b, t, n, hd = 2, 37, 4, 24
-    g = torch.Generator().manual_seed(3)
-    fused = torch.randn(b, t, n + 2 * kv_heads, hd, generator=g).bfloat16()  # (B, T, [q | k | v] heads, hd)
-    q, k, v = (x.transpose(1, 2) for x in fused.split([n, kv_heads, kv_heads], dim=2))
-    mask = additive_mask(torch.rand(b, t, generator=g) > 0.3, torch.float32)
-    with torch.no_grad():
-        out = attention_kernel.attend(q, k, v, mask, hd**-0.5, splits)
-        none = attention_kernel.attend(q, k, v, None, hd**-0.5, splits)
-    assert out.shape == q.shape and out.transpose(1, 2).is_contiguous()  # (B, T, Nh, hd) in memory
-    assert near(out, attention_kernel.reference(q, k, v, mask, hd**-0.5), ulps=2)
-    assert near(none, attention_kernel.reference(q, k, v, None, hd**-0.5), ulps=2)
-    head_major = attention_kernel.attend(q.contiguous(), k, v, mask, hd**-0.5, splits)
-    assert head_major.is_contiguous() and near(head_major, out, ulps=1)
-
-
-@interpreted
 def test_expert_attention_kernel_key_splits_and_tiles_agree():
     """One key range per row block and several (the combine kernel), and every launch geometry the size rule picks,
     compute the same softmax."""

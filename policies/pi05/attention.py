@@ -310,21 +310,32 @@ def flash_serves(q: torch.Tensor, k: torch.Tensor, key_mask: torch.Tensor | None
     return _flash_probe(q.device, q.dtype, q.shape[1], k.shape[1], q.shape[-1], key_mask is not None)
 
 
+def valid_first_rows(valid: torch.Tensor) -> torch.Tensor:
+    """(B, S) bool validity -> (B, S) int64 destination row of each key in a stable valid-first order.
+
+    Key j goes to its rank among the valid keys, else to the valid count + its rank among the invalid ones.
+
+    Example:
+        >>> valid_first_rows(torch.tensor([[True, False, True, False]])).tolist()
+        [[0, 2, 1, 3]]
+    """
+    num_valid = valid.sum(dim=1, keepdim=True)
+    return torch.where(valid, valid.cumsum(1) - 1, num_valid + (~valid).cumsum(1) - 1)
+
+
 def _valid_first(
     k: torch.Tensor, v: torch.Tensor, valid: torch.Tensor
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """(B, S, N, hd) keys and values with each row's valid keys moved to the front, and the (B,) int32 valid counts.
 
-    A stable permutation (valid keys in order), one index for both tensors.
+    A stable permutation (`valid_first_rows`), one index for both tensors.
     """
+    index = valid_first_rows(valid)[:, :, None, None].expand(k.shape)
     num_valid = valid.sum(dim=1, dtype=torch.int32)
-    # destination of key j: its rank among the valid keys, else num_valid + its rank among the invalid ones
-    dest = torch.where(valid, valid.cumsum(1) - 1, num_valid[:, None] + (~valid).cumsum(1) - 1)
-    index = dest[:, :, None, None].expand(k.shape)
     return k.new_empty(k.shape).scatter_(1, index, k), v.new_empty(v.shape).scatter_(1, index, v), num_valid
 
 
-def _flash_call(q, k, v, key_mask, scale):
+def _flash_call(q, k, v, key_mask, scale, key_lengths=None):
     from flash_attn.cute import flash_attn_func, flash_attn_varlen_func  # optional, imported lazily
 
     # FlashAttention takes (B, T, Nh, hd) and (B, S, Nkv, hd); it packs the query heads of a K/V head (GQA/MQA).
@@ -332,20 +343,21 @@ def _flash_call(q, k, v, key_mask, scale):
     if key_mask is None:
         out, _ = flash_attn_func(qt, kt, vt, softmax_scale=scale)
         return out.transpose(1, 2)
-    b, s = q.shape[0], k.shape[2]
-    if key_mask.dtype == torch.bool:
-        valid = key_mask.expand(b, s)
-    else:  # a prebuilt additive mask (B or 1, 1, 1, S): 0 marks a valid key
-        valid = (key_mask.reshape(key_mask.shape[0], s) == 0).expand(b, s)
-    kt, vt, num_valid = _valid_first(kt, vt, valid)
-    out, _ = flash_attn_varlen_func(qt, kt, vt, seqused_k=num_valid, softmax_scale=scale)
+    if key_lengths is None:  # move each row's valid keys to the front (a copy of K and V)
+        b, s = q.shape[0], k.shape[2]
+        if key_mask.dtype == torch.bool:
+            valid = key_mask.expand(b, s)
+        else:  # a prebuilt additive mask (B or 1, 1, 1, S): 0 marks a valid key
+            valid = (key_mask.reshape(key_mask.shape[0], s) == 0).expand(b, s)
+        kt, vt, key_lengths = _valid_first(kt, vt, valid)
+    out, _ = flash_attn_varlen_func(qt, kt, vt, seqused_k=key_lengths, softmax_scale=scale)
     return out.transpose(1, 2)
 
 
-def _flash(q, k, v, key_mask, scale):
+def _flash(q, k, v, key_mask, scale, key_lengths=None):
     if flash_serves(q, k, key_mask) is not None:
         return _sdpa(q, k, v, key_mask, scale)
-    return _flash_call(q, k, v, key_mask, scale)
+    return _flash_call(q, k, v, key_mask, scale, key_lengths)
 
 
 def served_by(
@@ -400,24 +412,28 @@ def attend(
     key_mask: torch.Tensor | None,
     scale: float,
     backend: str,
+    key_lengths: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Multi-query attention; `key_mask` is (B, S) bool validity or a prebuilt `additive_mask`.
 
-    Returns (B, Nh, T, hd) in v's dtype.
+    `key_lengths` (B,) int32 says that each row's valid keys are its first ``key_lengths[b]`` (as `key_mask` says):
+    FlashAttention then reads K and V in place instead of a valid-first copy. Returns (B, Nh, T, hd) in v's dtype.
     """
     if backend == "sdpa":
         return _sdpa(q, k, v, key_mask, scale)
     if backend == "flash":
-        return _flash(q, k, v, key_mask, scale)
+        return _flash(q, k, v, key_mask, scale, key_lengths)
     if backend == "flash_large":
-        return (_flash if _scores(q, k) >= FLASH_MIN_SCORES else _sdpa)(q, k, v, key_mask, scale)
+        if _scores(q, k) >= FLASH_MIN_SCORES:
+            return _flash(q, k, v, key_mask, scale, key_lengths)
+        return _sdpa(q, k, v, key_mask, scale)
     if backend == "gemm":
         return _gemm(q, k, v, key_mask, scale)
     if backend == "triton":
         return _triton(q, k, v, key_mask, scale)
     if backend == "triton_flash":
         if _scores(q, k) >= FLASH_MIN_SCORES and flash_serves(q, k, key_mask) is None:
-            return _flash_call(q, k, v, key_mask, scale)
+            return _flash_call(q, k, v, key_mask, scale, key_lengths)
         return _triton(q, k, v, key_mask, scale)
     return _eager(q, k, v, key_mask, scale)
 

@@ -151,12 +151,16 @@ if HAS_TRITON:  # pragma: no cover - needs a CUDA GPU or the interpreter
 
     @triton.jit
     def _rope_tile(
-        src, s_b, s_t, s_h, dst, o_b, o_t, o_h, cos, sin, c_b, c_t, b, t0, head, n_tok, hd,
-        ROTATE: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_D: tl.constexpr,  # noqa: N803
+        src, s_b, s_t, s_h, dst, o_b, o_t, o_h, cos, sin, c_b, c_t, b, t0, head, n_tok, hd, rows,
+        ROTATE: tl.constexpr, HAS_ROWS: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_D: tl.constexpr,  # noqa: N803
     ):  # fmt: skip
         toks = (t0 + tl.arange(0, BLOCK_T))[:, None].to(tl.int64)
         base = src + b * s_b + toks * s_t + head * s_h
-        out = dst + b * o_b + toks * o_t + head * o_h
+        if HAS_ROWS:  # the destination row of each token (a permutation of the tokens)
+            dst_rows = tl.load(rows + b * n_tok + toks, mask=toks < n_tok, other=0)
+        else:
+            dst_rows = toks
+        out = dst + b * o_b + dst_rows * o_t + head * o_h
         if ROTATE:  # [x1 | x2] -> [x1 c1 + x2 s1 | x2 c2 + x1 s2]: the signed sin table carries the minus
             half = hd // 2  # each half one contiguous tile (vectorised loads, no gather for the swap)
             d = tl.arange(0, BLOCK_D // 2)[None, :]
@@ -180,23 +184,24 @@ if HAS_TRITON:  # pragma: no cover - needs a CUDA GPU or the interpreter
         q_src, qs_b, qs_t, qs_h, q_dst, qo_b, qo_t, qo_h,
         k_src, ks_b, ks_t, ks_h, k_dst, ko_b, ko_t, ko_h,
         v_src, vs_b, vs_t, vs_h, v_dst, vo_b, vo_t, vo_h,
-        cos, sin, c_b, c_t, n_tok, n_q, n_kv, hd, t_blocks,
-        BLOCK_T: tl.constexpr, BLOCK_D: tl.constexpr,  # noqa: N803
+        cos, sin, c_b, c_t, n_tok, n_q, n_kv, hd, t_blocks, kv_rows,
+        HAS_ROWS: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_D: tl.constexpr,  # noqa: N803
     ):  # fmt: skip
         # Program (token block of one batch row, head): heads [0, n_q) are q, then n_kv k heads, then n_kv v heads.
+        # K and V rows go to `kv_rows` (B, T) where HAS_ROWS; q keeps the token order.
         pid = tl.program_id(0)
         head = tl.program_id(1)
         b = (pid // t_blocks).to(tl.int64)
         t0 = (pid % t_blocks) * BLOCK_T
         if head < n_q:
             _rope_tile(q_src, qs_b, qs_t, qs_h, q_dst, qo_b, qo_t, qo_h, cos, sin, c_b, c_t, b, t0, head, n_tok, hd,
-                       True, BLOCK_T, BLOCK_D)  # fmt: skip
+                       kv_rows, True, False, BLOCK_T, BLOCK_D)  # fmt: skip
         elif head < n_q + n_kv:
             _rope_tile(k_src, ks_b, ks_t, ks_h, k_dst, ko_b, ko_t, ko_h, cos, sin, c_b, c_t, b, t0, head - n_q,
-                       n_tok, hd, True, BLOCK_T, BLOCK_D)  # fmt: skip
+                       n_tok, hd, kv_rows, True, HAS_ROWS, BLOCK_T, BLOCK_D)  # fmt: skip
         else:
             _rope_tile(v_src, vs_b, vs_t, vs_h, v_dst, vo_b, vo_t, vo_h, cos, sin, c_b, c_t, b, t0,
-                       head - n_q - n_kv, n_tok, hd, False, BLOCK_T, BLOCK_D)  # fmt: skip
+                       head - n_q - n_kv, n_tok, hd, kv_rows, False, HAS_ROWS, BLOCK_T, BLOCK_D)  # fmt: skip
 
     @triton.jit
     def _denoise_update_kernel(
@@ -462,12 +467,18 @@ def rope_reference(x: torch.Tensor, cos: torch.Tensor, signed_sin: torch.Tensor)
     return (xf * cos.float()[:, :, None] + swapped * signed_sin.float()[:, :, None]).to(x.dtype)
 
 
-def qkv_rope_reference(q, k, v, cos, sin, q_out, k_out, v_out) -> None:
+def qkv_rope_reference(q, k, v, cos, sin, q_out, k_out, v_out, kv_rows=None) -> None:
     """What `qkv_rope` writes, in PyTorch (same arguments): rope(q) -> q_out, rope(k) -> k_out, v -> v_out."""
     if q is not None:
         q_out.copy_(rope_reference(q, cos, sin))
-    k_out.copy_(rope_reference(k, cos, sin))
-    v_out.copy_(v)
+    k_rot = rope_reference(k, cos, sin)
+    if kv_rows is None:
+        k_out.copy_(k_rot)
+        v_out.copy_(v)
+        return
+    index = kv_rows[:, :, None, None].expand(k.shape)
+    k_out.scatter_(1, index, k_rot.to(k_out.dtype))
+    v_out.scatter_(1, index, v.to(v_out.dtype))
 
 
 def qkv_rope(
@@ -479,19 +490,23 @@ def qkv_rope(
     q_out: torch.Tensor | None,
     k_out: torch.Tensor,
     v_out: torch.Tensor,
+    kv_rows: torch.Tensor | None = None,
 ) -> None:
     """RoPE on q and k and the copy of v, written into `q_out`, `k_out`, `v_out` in one kernel.
 
     Every tensor is indexed (B, T, heads, hd) (any strides, unit stride in hd): q and q_out with Nq heads, k, v,
     k_out and v_out with Nkv heads; e.g. the projection output viewed (B, T, heads, hd) and the cache slot
     `keys[:, :, start:end].transpose(1, 2)`. cos/sin: (B or 1, T, hd) from `rope_cos_sin(...)[:, 0]`. q may be
-    None (the LM's last layer needs no queries). Triton where `fused_path` holds, `qkv_rope_reference` elsewhere.
+    None (the LM's last layer needs no queries). `kv_rows` (B, T) int64, a permutation of each row's tokens: token
+    t's K and V go to row ``kv_rows[b, t]`` of k_out / v_out (the prefix's valid keys first); None keeps the order.
+    Triton where `fused_path` holds, `qkv_rope_reference` elsewhere.
     """
     unit = all(t.stride(-1) == 1 for t in (k, v, k_out, v_out, cos)) and cos.stride() == sin.stride()
     if q is not None:
         unit = unit and q_out is not None and q.stride(-1) == 1 and q_out.stride(-1) == 1
-    if not (triton_serves(k) and unit):
-        qkv_rope_reference(q, k, v, cos, sin, q_out, k_out, v_out)
+    rows_ok = kv_rows is None or (kv_rows.dtype == torch.int64 and kv_rows.is_contiguous())
+    if not (triton_serves(k) and unit and rows_ok):
+        qkv_rope_reference(q, k, v, cos, sin, q_out, k_out, v_out, kv_rows)
         return
     b, t, n_kv, hd = k.shape
     n_q = q.shape[2] if q is not None else 0
@@ -505,8 +520,8 @@ def qkv_rope(
         qs, qs.stride(0), qs.stride(1), qs.stride(2), qo, qo.stride(0), qo.stride(1), qo.stride(2),
         k, k.stride(0), k.stride(1), k.stride(2), k_out, k_out.stride(0), k_out.stride(1), k_out.stride(2),
         v, v.stride(0), v.stride(1), v.stride(2), v_out, v_out.stride(0), v_out.stride(1), v_out.stride(2),
-        cos, sin, c_b, cos.stride(1), t, n_q, n_kv, hd, t_blocks,
-        BLOCK_T=block_t, BLOCK_D=triton.next_power_of_2(hd), num_warps=4,
+        cos, sin, c_b, cos.stride(1), t, n_q, n_kv, hd, t_blocks, k if kv_rows is None else kv_rows,
+        HAS_ROWS=kv_rows is not None, BLOCK_T=block_t, BLOCK_D=triton.next_power_of_2(hd), num_warps=4,
     )  # fmt: skip
 
 

@@ -21,7 +21,15 @@ import torch.nn.functional as F
 from torch import nn
 
 from . import geglu_gemm, kernels
-from .attention import AttentionConfig, AttentionPlan, additive_mask, attend, gemm_serves, mask_dtype
+from .attention import (
+    AttentionConfig,
+    AttentionPlan,
+    additive_mask,
+    attend,
+    gemm_serves,
+    mask_dtype,
+    valid_first_rows,
+)
 from .config import Pi05Config
 from .gemma import AdaRMSNorm, GemmaStack, Modulation, RMSNorm, rope_cos_sin, upcast, upcast_dtype
 from .heads import NoiseHead, ValueHead
@@ -43,9 +51,12 @@ class PrefixCache:
 
     Attributes:
         keys, values: per layer (B, Nkv, T, hd) in the compute dtype.
-        key_mask: (B, T) bool, True for valid prefix tokens.
+        key_mask: (B, T) bool, True for the K/V rows of valid prefix tokens. The fused path (`run_prefix` with
+            fused kernels) stores each row's valid tokens' K/V first, in order: its key_mask is then the first
+            `num_valid` rows, and FlashAttention reads the keys without a valid-first copy per layer.
         num_valid: (B,) int64, the number of valid prefix tokens (suffix positions start there).
-        output: (B, T, W) LM final-norm output, only when requested (prefix value source).
+        output: (B, T, W) LM final-norm output in token order, only when requested (prefix value source).
+        output_mask: (B, T) bool validity of `output`'s rows where it differs from `key_mask` (the fused path).
         suffix_offset: when set, `keys`/`values` are static buffers (B, Nkv, T + H, hd) holding the prefix in
             [:T]; each expert step writes its action-token K/V into [T:] instead of concatenating.
     """
@@ -58,6 +69,7 @@ class PrefixCache:
     suffix_offset: int | None = None
     suffix_rope: tuple[torch.Tensor, torch.Tensor] | None = None
     suffix_mask: torch.Tensor | None = None
+    output_mask: torch.Tensor | None = None
 
 
 def sinusoidal_time_embedding(
@@ -301,7 +313,7 @@ class Pi05Model(nn.Module):
         """`run_prefix` with each residual add fused into the next norm and RoPE fused with the K/V writes.
 
         Per layer: add+norm, the q/k/v GEMMs (one, from `fused_prefix`, where the fused buffers serve), one RoPE kernel
-        writing q (token-major) and K/V into their cache slots, attention, o GEMM, add+norm, the MLP (gate, up and
+        writing q (token-major) and K/V into their cache slots (each row's valid tokens first), attention, o GEMM, add+norm, the MLP (gate, up and
         GeGLU as one GEMM, `geglu_gemm`, then down). Same math as the unfused loop, rounded once per kernel.
         """
         cfg = self.config.llm
@@ -309,7 +321,12 @@ class Pi05Model(nn.Module):
         n, nkv, hd = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
         positions = torch.cumsum(valid.long(), dim=1) - 1
         cos, sin = (c[:, 0] for c in rope_cos_sin(positions, hd, cfg.rope_theta, emb.dtype))  # (B, T, hd)
-        mask = additive_mask(valid, mask_dtype(self.plan.prefix, emb.dtype))
+        # K/V rows valid-first: token t's K/V at row kv_rows[b, t]; the valid keys are then the first num_valid
+        kv_rows = valid_first_rows(valid)
+        num_valid = valid.sum(dim=1)
+        key_valid = torch.arange(t, device=emb.device)[None, :] < num_valid[:, None]
+        key_lengths = num_valid.to(torch.int32)
+        mask = additive_mask(key_valid, mask_dtype(self.plan.prefix, emb.dtype))
         scale = cfg.head_dim**-0.5
         keys: list[torch.Tensor] = []
         values: list[torch.Tensor] = []
@@ -332,19 +349,19 @@ class Pi05Model(nn.Module):
             else:
                 q_src = attn.q_proj(h).view(b, t, n, hd) if need_q else None
                 k_src, v_src = attn.k_proj(h).view(b, t, nkv, hd), attn.v_proj(h).view(b, t, nkv, hd)
-            kernels.qkv_rope(q_src, k_src, v_src, cos, sin, q, k_dst.transpose(1, 2), v_dst.transpose(1, 2))
+            kernels.qkv_rope(q_src, k_src, v_src, cos, sin, q, k_dst.transpose(1, 2), v_dst.transpose(1, 2), kv_rows)
             keys.append(k_dst)
             values.append(v_dst)
             if not need_q:
                 break
-            o = attn.out(attend(q.transpose(1, 2), k_dst, v_dst, mask, scale, self.plan.prefix))
+            o = attn.out(attend(q.transpose(1, 2), k_dst, v_dst, mask, scale, self.plan.prefix, key_lengths))
             x, h = kernels.add_norm(x, o, layer.post_attention_layernorm.weight, cfg.eps, add_one=True)
             mlp = layer.mlp  # gate, up and GeGLU as one GEMM where it serves (`geglu_gemm`)
             delta = mlp.down_proj(geglu_gemm.geglu_linear(h, mlp.gate_proj.weight, mlp.up_proj.weight))
         output = None
         if need_output:
             _, output = kernels.add_norm(x, delta, self.llm.norm.weight, cfg.eps, add_one=True, store_residual=False)
-        return PrefixCache(keys, values, valid, valid.long().sum(dim=1), output)
+        return PrefixCache(keys, values, key_valid, num_valid, output, output_mask=valid)
 
     # ---------------------------------------------------------------------------------------- expert
     def time_condition(
@@ -491,7 +508,7 @@ class Pi05Model(nn.Module):
         """Mean LM output over valid prefix tokens -> (B, W) float32, the prefix value source's input."""
         assert cache.output is not None
         output = upcast(cache.output)
-        w = cache.key_mask.to(output.dtype)[..., None]
+        w = (cache.key_mask if cache.output_mask is None else cache.output_mask).to(output.dtype)[..., None]
         return (output * w).sum(dim=1) / w.sum(dim=1).clamp_min(1.0)
 
     def prefix_value(self, cache: PrefixCache) -> torch.Tensor:

@@ -61,6 +61,25 @@ def test_flash_matches_the_float32_reference(site):
             assert _rel_err(out, ref) < TOLERANCE
 
 
+def test_flash_reads_valid_first_keys_in_place():
+    """With the valid keys already first (the fused prefix's K/V layout) and their counts given, flash reads K/V in
+    place and computes what it computes from the same keys with holes (the valid-first copy it makes itself)."""
+    reason = _flash_reason()
+    if reason is not None:
+        pytest.skip(f"flash not run: {reason}")
+    b, n, nkv, t, s, hd, _ = SITES["prefix"]
+    q, k, v, mask = _inputs(b, n, nkv, t, s, hd, True, seed=1)
+    rows = attention.valid_first_rows(mask)[:, None, :, None].expand(k.shape)
+    kf, vf = torch.empty_like(k).scatter_(2, rows, k), torch.empty_like(v).scatter_(2, rows, v)
+    lengths = mask.sum(dim=1)
+    first = torch.arange(s, device="cuda")[None, :] < lengths[:, None]
+    with torch.no_grad():
+        holes = attend(q, k, v, attention.additive_mask(mask, torch.bfloat16), hd**-0.5, "flash")
+        in_place = attend(q, kf, vf, attention.additive_mask(first, torch.bfloat16), hd**-0.5, "flash",
+                          lengths.to(torch.int32))  # fmt: skip
+    assert torch.equal(in_place, holes)
+
+
 def test_flash_replays_in_a_cuda_graph():
     reason = _flash_reason()
     if reason is not None:

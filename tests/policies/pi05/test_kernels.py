@@ -210,6 +210,27 @@ def test_qkv_rope_writes_rotated_q_k_and_v_into_cache_slots(need_q):
 
 
 @interpreted
+def test_qkv_rope_writes_k_and_v_at_their_rows():
+    """`kv_rows` (each row's valid tokens first) moves K and V, not q: the kernel equals its reference."""
+    from policies.pi05.attention import valid_first_rows
+
+    g = torch.Generator().manual_seed(4)
+    b, t, n, hd = 2, 21, 4, 16
+    heads = torch.randn(b, t, n + 2, hd, generator=g).bfloat16()
+    q, k, v = heads[:, :, :n], heads[:, :, n : n + 1], heads[:, :, n + 1 :]
+    cos, sin = (c[:, 0] for c in rope_cos_sin(torch.randint(0, 99, (b, t), generator=g), hd, 1e4, torch.bfloat16))
+    rows = valid_first_rows(torch.rand(b, t, generator=g) > 0.4)
+    outs = [[torch.empty(b, t, n, hd).bfloat16(), *(torch.empty(b, t, 1, hd).bfloat16() for _ in range(2))]
+            for _ in range(2)]  # fmt: skip
+    with torch.no_grad():
+        kernels.qkv_rope(q, k, v, cos, sin, *outs[0], kv_rows=rows)
+        kernels.qkv_rope_reference(q, k, v, cos, sin, *outs[1], kv_rows=rows)
+    assert within_ulp(outs[0][0], outs[1][0]) and within_ulp(outs[0][1], outs[1][1])
+    assert torch.equal(outs[0][2], outs[1][2])
+    assert torch.equal(outs[0][2][0, rows[0, 3]], v[0, 3])  # token 3's value sits at its row
+
+
+@interpreted
 def test_fused_rollout_matches_unfused_tiny_bf16_policy():
     """The scheduler's eager stages with and without the fused kernels (tiny model, bf16, CPU interpreter)."""
     from policies.pi05.policy import Pi05Policy, RolloutConfig

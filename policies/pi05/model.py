@@ -312,9 +312,10 @@ class Pi05Model(nn.Module):
     ) -> PrefixCache:
         """`run_prefix` with each residual add fused into the next norm and RoPE fused with the K/V writes.
 
-        Per layer: add+norm, the q/k/v GEMMs (one, from `fused_prefix`, where the fused buffers serve), one RoPE kernel
-        writing q (token-major) and K/V into their cache slots (each row's valid tokens first), attention, o GEMM, add+norm, the MLP (gate, up and
-        GeGLU as one GEMM, `geglu_gemm`, then down). Same math as the unfused loop, rounded once per kernel.
+        Per layer: add+norm, the q/k/v GEMMs (one, from `fused_prefix`, where the fused buffers serve), one RoPE
+        kernel writing q (token-major) and K/V into their cache slots (each row's valid tokens first), attention,
+        o GEMM, add+norm, the MLP (gate, up and GeGLU as one GEMM, `geglu_gemm`, then down). Same math as the unfused
+        loop, rounded once per kernel.
         """
         cfg = self.config.llm
         b, t, _ = emb.shape

@@ -269,8 +269,8 @@ def flash_shape_status(
     fits = 8 <= head_dim <= 256 if major == 9 else 8 <= head_dim <= 128 or head_dim == 256
     if head_dim % 8 or not fits:
         return f"head_dim {head_dim} (sm{major}x runs multiples of 8 in {widths})"
-    if kv_heads != 1:
-        return f"{kv_heads} K/V heads (the kernel folds the query heads of one)"
+    if heads % kv_heads:
+        return f"{heads} query heads are not a multiple of {kv_heads} K/V heads"
     return None
 
 

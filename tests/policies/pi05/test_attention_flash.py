@@ -3,6 +3,8 @@
 Nothing here claims the FlashAttention kernel ran: that is `test_attention_flash_cuda.py`, on a GPU.
 """
 
+import functools
+
 import pytest
 import torch
 
@@ -95,6 +97,19 @@ def test_flash_shape_rules_name_the_failing_field(width):
             "device is cpu, not CUDA"
         )
     assert attention.flash_shape_status(torch.device("cpu"), torch.float32, 8, 1, width) is not None
+
+
+def test_flash_shape_rules_on_hopper_take_grouped_and_multi_head_calls(monkeypatch):
+    """The geometry rules alone, as on an sm90 device with the package: MQA (the LM), multi-head (the vision tower's
+    16 K/V heads) and grouped heads run; heads that do not divide, or a width sm90 lacks, are named."""
+    monkeypatch.setattr(attention, "flash_device_status", lambda device: None)
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (9, 0))
+    cuda = torch.device("cuda")
+    for heads, kv_heads, width in ((8, 1, 256), (16, 16, 72), (8, 2, 128)):
+        assert attention.flash_shape_status(cuda, torch.bfloat16, heads, kv_heads, width) is None
+    status = functools.partial(attention.flash_shape_status, cuda, torch.bfloat16)
+    assert status(8, 3, 256) == "8 query heads are not a multiple of 3 K/V heads"
+    assert status(8, 1, 300) == "head_dim 300 (sm9x runs multiples of 8 in 8..256)"
 
 
 def test_valid_keys_first_keeps_attention_unchanged():

@@ -1,0 +1,329 @@
+"""Candidate schedules of the LM's gate/up + GeGLU GEMM, against the shipped kernel and cuBLAS, alone in CUDA graphs.
+
+    python -m benchmarks.bench_geglu_variants [--out DIR]    # on an sm90 GPU; rows -> geglu_variants.jsonl
+
+Why: at case (a) batch 64 the shipped `geglu_gemm.geglu_linear` runs 234 of the prefix's 478 ms at 605 TFLOP/s in
+the graph (640 alone), where cuBLAS runs the LM's down projection at ~700; closing that gap is the one change large
+enough for the 120 samples/s target (~13 ms short). Two things the shipped kernel does that cuBLAS's Hopper kernels
+do not, each a candidate here:
+
+- **Two 128-wide MMAs a K step** (gate and up, the same x tile): one wgmma of n = 256 over a weight whose gate and
+  up rows are interleaved reads the x operand once instead of twice. ``halves`` interleaves blocks of `block_n`
+  rows ([gate block j; up block j]), ``pairs`` single rows (gate row j, up row j: the layout under which the
+  model's gate and up weights could stay views of one buffer, ``w[0::2]`` and ``w[1::2]``). The epilogue splits
+  the (block_m, 2 block_n) accumulator back into gate and up in registers (`tl.split`).
+- **One tile a program**: one CTA fills an SM (4 stages of 48 KB), so the tensor cores idle through every tile's
+  prologue and GeGLU epilogue. ``persistent`` launches one program per SM that walks the tiles (grouped along M
+  as the shipped kernel), the loop nest flattened so that the next tile's TMA loads are issued during this tile's
+  last K steps and epilogue (Triton's software pipeliner; Triton has no warp specialisation on sm90).
+
+Each row: ``case``, ``m``, ``k``, ``f``, ``variant``, the launch geometry, ``us_per_call`` (median of graph replays
+of 5 calls), ``tflops`` (of the 2 x m x k x 2f FLOPs) and ``max_rel_err`` against the float32 reference on the
+first 4,096 rows. cuBLAS rows (gate alone, [gate; up] as one GEMM, the model's unfused gate, up + GeGLU kernel)
+give the ceiling at each shape. Under ``TRITON_INTERPRET=1`` `variant_linear` also runs on CPU half tensors (how the
+variants were checked before any device time was spent on them).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import asdict, dataclass, replace
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+
+from benchmarks.common import run_cli, write_rows
+from policies.pi05 import geglu_gemm, kernels
+from policies.pi05.geglu_gemm import DEFAULT_TILES, GemmTiles
+
+BENCH = "geglu_variants"
+LAYOUTS = ("two", "halves", "pairs", "gelu")
+SHAPES = {"a": (64 * 968, 2048, 16384), "b": (64 * 560, 2048, 16384), "expert a": (64 * 50, 1024, 4096)}
+"""case -> (rows m, width k, GeGLU width f): the LM prefix at (a) / (b) batch 64, the expert's MLP at (a) batch 64."""
+GELU_SHAPES = {"vision fc1 a": (64 * 3 * 256, 1152, 4304)}
+"""case -> (rows m, width k, fc1 width f): SigLIP's fc1 at (a) batch 64 (3 cameras x 256 patches a sample)."""
+
+
+@dataclass(frozen=True)
+class Variant:
+    """One candidate: weight layout (`LAYOUTS`), persistent or one tile a program, and the launch geometry.
+
+    Example:
+        >>> Variant("pairs", True).name
+        'pairs, persistent, 128x128x64, group 16, 8 warps, 4 stages'
+    """
+
+    layout: str = "two"
+    persistent: bool = False
+    tiles: GemmTiles = DEFAULT_TILES
+
+    @property
+    def name(self) -> str:
+        """A row's ``variant``: every field in words."""
+        t = self.tiles
+        sched = "persistent" if self.persistent else "one tile a program"
+        return (f"{self.layout}, {sched}, {t.block_m}x{t.block_n}x{t.block_k}, group {t.group_m}, "
+                f"{t.num_warps} warps, {t.num_stages} stages")  # fmt: skip
+
+    def fields(self) -> dict[str, Any]:
+        """The row's columns: layout, persistent and every launch-geometry field."""
+        return {"layout": self.layout, "persistent": self.persistent, **asdict(self.tiles)}
+
+
+def _tiles(**changes: int) -> GemmTiles:
+    return replace(DEFAULT_TILES, **changes)
+
+
+VARIANTS = (
+    Variant("two", True), Variant("two", True, _tiles(num_stages=3)), Variant("two", True, _tiles(group_m=8)),
+    Variant("halves"), Variant("halves", tiles=_tiles(num_stages=3)), Variant("halves", True),
+    Variant("halves", True, _tiles(num_stages=3)), Variant("pairs"), Variant("pairs", tiles=_tiles(num_stages=3)),
+    Variant("pairs", True), Variant("pairs", True, _tiles(num_stages=3)), Variant("pairs", True, _tiles(group_m=8)),
+    Variant("pairs", tiles=_tiles(block_n=64, num_stages=5)),
+)  # fmt: skip
+"""The sweep: each idea alone and together, at the shipped geometry and one stage fewer (epilogue headroom)."""
+GELU_VARIANTS = (
+    Variant("gelu"), Variant("gelu", tiles=_tiles(num_stages=3)), Variant("gelu", True),
+    Variant("gelu", tiles=_tiles(block_n=256, num_stages=3)), Variant("gelu", True, _tiles(block_n=256, num_stages=3)),
+)  # fmt: skip
+"""SigLIP's fc1 + GELU as one GEMM: 128- and 256-wide tiles (one n = 256 MMA), one tile a program or persistent."""
+
+
+if kernels.HAS_TRITON:  # pragma: no cover - needs a CUDA GPU or the interpreter
+    import triton
+    import triton.language as tl
+    from triton.tools.tensor_descriptor import TensorDescriptor
+
+    @triton.jit
+    def _tile_origin(tile, grid_m, grid_n, GROUP_M: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):  # noqa: N803
+        # The shipped kernel's order: tiles grouped GROUP_M along M, so a group's x and weight tiles share L2.
+        per_group = GROUP_M * grid_n
+        first_m = (tile // per_group) * GROUP_M
+        rows = min(grid_m - first_m, GROUP_M)
+        return (first_m + (tile % per_group) % rows) * BLOCK_M, ((tile % per_group) // rows) * BLOCK_N
+
+    @triton.jit
+    def _variant_tile(
+        x_desc, g_desc, u_desc, o_desc, b_ptr, n, tile, tile_c, grid_m, grid_n,
+        K: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,  # noqa: N803
+        GROUP_M: tl.constexpr, LAYOUT: tl.constexpr, INTERPRET: tl.constexpr,  # noqa: N803
+    ):  # fmt: skip
+        # LAYOUT 0: gate and up descriptors, two MMAs a K step; 1 / 2: one interleaved weight (g_desc, blocks of
+        # 2 BLOCK_N rows), one MMA of width 2 BLOCK_N, split into gate and up columns after the loop; 3: one weight
+        # (g_desc) and a bias, gelu_tanh(x w^T + b) (SigLIP's fc1 and its GELU).
+        off_m, off_n = _tile_origin(tile, grid_m, grid_n, GROUP_M, BLOCK_M, BLOCK_N)
+        off_cm, off_cn = _tile_origin(tile_c, grid_m, grid_n, GROUP_M, BLOCK_M, BLOCK_N)
+        if LAYOUT == 3:
+            acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+            for step in range(K // BLOCK_K):
+                x, w = x_desc.load([off_m, step * BLOCK_K]), g_desc.load([off_n, step * BLOCK_K])
+                if INTERPRET:
+                    x, w = x.to(tl.float32), w.to(tl.float32)
+                acc = tl.dot(x, w.T, acc)
+            cols = off_cn + tl.arange(0, BLOCK_N)
+            bias = tl.load(b_ptr + cols, mask=cols < n, other=0.0).to(tl.float32)
+            out = kernels._gelu_tanh(acc + bias[None, :])
+        elif LAYOUT == 0:
+            acc_g = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+            acc_u = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+            for step in range(K // BLOCK_K):
+                x, g = x_desc.load([off_m, step * BLOCK_K]), g_desc.load([off_n, step * BLOCK_K])
+                u = u_desc.load([off_n, step * BLOCK_K])
+                if INTERPRET:  # the interpreter's tl.dot misreads bfloat16; half products are exact in float32
+                    x, g, u = x.to(tl.float32), g.to(tl.float32), u.to(tl.float32)
+                acc_g = tl.dot(x, g.T, acc_g)
+                acc_u = tl.dot(x, u.T, acc_u)
+            out = kernels._gelu_tanh(acc_g) * acc_u
+        else:
+            acc = tl.zeros((BLOCK_M, 2 * BLOCK_N), dtype=tl.float32)
+            for step in range(K // BLOCK_K):
+                x, w = x_desc.load([off_m, step * BLOCK_K]), g_desc.load([2 * off_n, step * BLOCK_K])
+                if INTERPRET:
+                    x, w = x.to(tl.float32), w.to(tl.float32)
+                acc = tl.dot(x, w.T, acc)
+            if LAYOUT == 1:  # columns [gate block | up block]
+                acc_g, acc_u = tl.split(tl.permute(tl.reshape(acc, (BLOCK_M, 2, BLOCK_N)), (0, 2, 1)))
+            else:  # columns gate 0, up 0, gate 1, up 1, ...
+                acc_g, acc_u = tl.split(tl.reshape(acc, (BLOCK_M, BLOCK_N, 2)))
+            out = kernels._gelu_tanh(acc_g) * acc_u
+        o_desc.store([off_cm, off_cn], out.to(o_desc.dtype))
+
+    @triton.jit
+    def _variant_kernel(
+        x_desc, g_desc, u_desc, o_desc, b_ptr, m, n, programs,
+        K: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,  # noqa: N803
+        GROUP_M: tl.constexpr, LAYOUT: tl.constexpr, FLATTEN: tl.constexpr, INTERPRET: tl.constexpr,  # noqa: N803
+    ):  # fmt: skip
+        # Tiles program_id, + programs, ... (one when every tile has its program). The epilogue gets its own copy
+        # of the tile index (`tile_c`), as in Triton's persistent matmul: the flattened loop's loads run a tile ahead.
+        grid_m, grid_n = tl.cdiv(m, BLOCK_M), tl.cdiv(n, BLOCK_N)
+        if INTERPRET:  # the interpreter runs no `for` over a runtime bound
+            tile = tl.program_id(0)
+            while tile < grid_m * grid_n:
+                _variant_tile(x_desc, g_desc, u_desc, o_desc, b_ptr, n, tile, tile, grid_m, grid_n, K, BLOCK_M,
+                              BLOCK_N, BLOCK_K, GROUP_M, LAYOUT, INTERPRET)  # fmt: skip
+                tile += programs
+        else:
+            tile_c = tl.program_id(0) - programs
+            for tile in tl.range(tl.program_id(0), grid_m * grid_n, programs, flatten=FLATTEN):
+                tile_c += programs
+                _variant_tile(x_desc, g_desc, u_desc, o_desc, b_ptr, n, tile, tile_c, grid_m, grid_n, K, BLOCK_M,
+                              BLOCK_N, BLOCK_K, GROUP_M, LAYOUT, INTERPRET)  # fmt: skip
+
+
+def interleave(gate: torch.Tensor, up: torch.Tensor, layout: str, block_n: int) -> torch.Tensor:
+    """The (2F, K) weight a layout reads: ``halves`` [gate block; up block] per `block_n` rows, ``pairs`` row by row.
+
+    Example:
+        >>> g, u = torch.zeros(4, 2), torch.ones(4, 2)
+        >>> interleave(g, u, "pairs", 2)[:, 0].tolist(), interleave(g, u, "halves", 2)[:, 0].tolist()
+        ([0.0, 1.0, 0.0, 1.0, 0.0, 1.0, 0.0, 1.0], [0.0, 0.0, 1.0, 1.0, 0.0, 0.0, 1.0, 1.0])
+    """
+    f, k = gate.shape
+    if layout == "pairs":
+        return torch.stack([gate, up], dim=1).reshape(2 * f, k)
+    blocks = (f // block_n, block_n, k)
+    return torch.stack([gate.view(blocks), up.view(blocks)], dim=1).reshape(2 * f, k)
+
+
+def variant_linear(x: torch.Tensor, gate: torch.Tensor, up: torch.Tensor, w: torch.Tensor | None, v: Variant,
+                   programs: int) -> torch.Tensor:  # fmt: skip
+    """gelu_tanh(x gate^T) * (x up^T) by one variant; `w` is `interleave(gate, up, ...)` for the interleaved layouts.
+
+    `programs`: the persistent grid (the SM count); a one-tile-a-program variant launches one program per tile.
+    """
+    bn, bk = v.tiles.block_n, v.tiles.block_k
+    if v.layout == "two":
+        descs = TensorDescriptor.from_tensor(gate, [bn, bk]), TensorDescriptor.from_tensor(up, [bn, bk])
+    else:
+        descs = (TensorDescriptor.from_tensor(w, [2 * bn, bk]),) * 2
+    return _launch(x, gate.shape[0], descs, x, v, programs)  # x: a bias pointer the GeGLU layouts never read
+
+
+def gelu_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor, v: Variant, programs: int) -> torch.Tensor:
+    """gelu_tanh(x weight^T + bias) by a ``gelu`` variant (SigLIP's fc1 and GELU as one GEMM)."""
+    desc = TensorDescriptor.from_tensor(weight, [v.tiles.block_n, v.tiles.block_k])
+    return _launch(x, weight.shape[0], (desc, desc), bias, v, programs)
+
+
+def _launch(x: torch.Tensor, n: int, descs: tuple, bias: torch.Tensor, v: Variant, programs: int) -> torch.Tensor:
+    m, k = x.shape
+    out = torch.empty(m, n, dtype=x.dtype, device=x.device)
+    t = v.tiles
+    bm, bn, bk = t.block_m, t.block_n, t.block_k
+    x_desc, o_desc = TensorDescriptor.from_tensor(x, [bm, bk]), TensorDescriptor.from_tensor(out, [bm, bn])
+    tiles = triton.cdiv(m, bm) * triton.cdiv(n, bn)
+    grid = min(programs, tiles) if v.persistent else tiles
+    _variant_kernel[(grid,)](x_desc, *descs, o_desc, bias, m, n, grid, K=k, BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk,
+                             GROUP_M=t.group_m, LAYOUT=LAYOUTS.index(v.layout), FLATTEN=v.persistent,
+                             INTERPRET=kernels.INTERPRETED, num_warps=t.num_warps,
+                             num_stages=t.num_stages)  # fmt: skip
+    return out
+
+
+def _rel_err(out: torch.Tensor, ref: torch.Tensor) -> float:
+    return float((out.float() - ref).abs().max() / ref.abs().max())
+
+
+def _shape_rows(
+    case: str, m: int, k: int, f: int, variants: tuple[Variant, ...], programs: int, timer: Callable[..., float]
+) -> list[dict]:
+    """One shape's rows: cuBLAS, the shipped kernel, then each variant (a failure is recorded, not raised).
+
+    `timer(fn, calls)`: microseconds per call (`graph_time_us` on the GPU).
+    """
+    dev = "cuda" if torch.cuda.is_available() else "cpu"  # CPU: a dry run under Triton's interpreter
+    g = torch.Generator(device=dev).manual_seed(3)
+    gate, up = ((torch.randn(f, k, device=dev, generator=g) * 0.02).bfloat16() for _ in range(2))
+    x = torch.randn(m, k, device=dev, generator=g).bfloat16()
+    head = x[:4096]
+    ref = geglu_gemm.reference(head, gate, up)
+    stacked = torch.cat([gate, up])
+    flops = 2 * m * k * 2 * f
+    rows: list[dict[str, Any]] = []
+
+    def add(variant: str, fn, err: float | None, extra: dict | None = None, share: float = 1.0) -> None:
+        row = {"case": case, "m": m, "k": k, "f": f, "variant": variant, **(extra or {})}
+        try:
+            us = timer(fn, calls=5)
+            row.update(us_per_call=us, tflops=share * flops / us / 1e6, max_rel_err=err, status="ran")
+        except Exception as e:  # noqa: BLE001 - e.g. out of shared memory or registers: record and go on
+            row["status"] = f"failed: {type(e).__name__}: {e}"[:500]
+        rows.append(row)
+        print(row, flush=True)
+
+    add("cuBLAS gate alone", lambda: F.linear(x, gate), None, share=0.5)
+    add("cuBLAS [gate; up] one GEMM", lambda: F.linear(x, stacked), None)
+    add("cuBLAS gate, up + geglu kernel", lambda: kernels.geglu(F.linear(x, gate), F.linear(x, up)),
+        _rel_err(kernels.geglu(F.linear(head, gate), F.linear(head, up)), ref))  # fmt: skip
+    add("shipped geglu_linear", lambda: geglu_gemm.geglu_linear(x, gate, up),
+        _rel_err(geglu_gemm.geglu_linear(head, gate, up), ref), asdict(geglu_gemm.DEFAULT_TILES))  # fmt: skip
+    for v in variants:
+        w = None if v.layout == "two" else interleave(gate, up, v.layout, v.tiles.block_n)
+        try:
+            err = _rel_err(variant_linear(head, gate, up, w, v, programs), ref)
+        except Exception as e:  # noqa: BLE001 - a compile failure: recorded, the sweep goes on
+            rows.append({"case": case, "m": m, "variant": v.name, **v.fields(),
+                         "status": f"failed: {type(e).__name__}: {e}"[:500]})  # fmt: skip
+            continue
+        add(v.name, lambda v=v, w=w: variant_linear(x, gate, up, w, v, programs), err, v.fields())
+    return rows
+
+
+def _gelu_rows(
+    case: str, m: int, k: int, f: int, variants: tuple[Variant, ...], programs: int, timer: Callable[..., float]
+) -> list[dict]:
+    """SigLIP's fc1 + GELU: cuBLAS alone, cuBLAS + `kernels.gelu_tanh_` (the model's path), then each variant."""
+    dev = "cuda" if torch.cuda.is_available() else "cpu"
+    g = torch.Generator(device=dev).manual_seed(4)
+    weight = (torch.randn(f, k, device=dev, generator=g) * 0.03).bfloat16()
+    bias = torch.randn(f, device=dev, generator=g).bfloat16()
+    x = torch.randn(m, k, device=dev, generator=g).bfloat16()
+    head = x[:4096]
+    ref = F.gelu(head.float() @ weight.float().T + bias.float(), approximate="tanh")
+    flops = 2 * m * k * f
+    rows: list[dict[str, Any]] = []
+
+    def add(variant: str, fn, err: float | None, extra: dict | None = None) -> None:
+        row = {"case": case, "m": m, "k": k, "f": f, "variant": variant, **(extra or {})}
+        try:
+            us = timer(fn, calls=5)
+            row.update(us_per_call=us, tflops=flops / us / 1e6, max_rel_err=err, status="ran")
+        except Exception as e:  # noqa: BLE001 - e.g. out of shared memory or registers: record and go on
+            row["status"] = f"failed: {type(e).__name__}: {e}"[:500]
+        rows.append(row)
+        print(row, flush=True)
+
+    add("cuBLAS fc1 alone", lambda: F.linear(x, weight, bias), None)
+    add("cuBLAS fc1 + gelu_tanh_ kernel", lambda: kernels.gelu_tanh_(F.linear(x, weight, bias)),
+        _rel_err(kernels.gelu_tanh_(F.linear(head, weight, bias)), ref))  # fmt: skip
+    for v in variants:
+        try:
+            err = _rel_err(gelu_linear(head, weight, bias, v, programs), ref)
+        except Exception as e:  # noqa: BLE001 - a compile failure: recorded, the sweep goes on
+            rows.append({"case": case, "m": m, "variant": v.name, **v.fields(),
+                         "status": f"failed: {type(e).__name__}: {e}"[:500]})  # fmt: skip
+            continue
+        add(v.name, lambda v=v: gelu_linear(x, weight, bias, v, programs), err, v.fields())
+    return rows
+
+
+def run(out: Path | None = None) -> list[dict[str, Any]]:
+    """Every shape's cuBLAS rows, the shipped kernel and each variant; appends to ``geglu_variants.jsonl``."""
+    from benchmarks.bench_expert_attention import graph_time_us
+
+    programs = torch.cuda.get_device_properties(0).multi_processor_count
+    rows: list[dict[str, Any]] = []
+    with torch.no_grad():
+        for case, (m, k, f) in SHAPES.items():
+            rows += _shape_rows(case, m, k, f, VARIANTS, programs, graph_time_us)
+            torch.cuda.empty_cache()
+        for case, (m, k, f) in GELU_SHAPES.items():
+            rows += _gelu_rows(case, m, k, f, GELU_VARIANTS, programs, graph_time_us)
+    return write_rows(BENCH, rows, out)
+
+
+if __name__ == "__main__":
+    run_cli(run, BENCH, __doc__)

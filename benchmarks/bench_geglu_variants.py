@@ -40,6 +40,7 @@ from policies.pi05.geglu_gemm import DEFAULT_TILES, GemmTiles
 
 BENCH = "geglu_variants"
 LAYOUTS = ("two", "halves", "pairs", "gelu")
+GELUS = ("tanh", "sigmoid")
 SHAPES = {"a": (64 * 968, 2048, 16384), "b": (64 * 560, 2048, 16384), "expert a": (64 * 50, 1024, 4096)}
 """case -> (rows m, width k, GeGLU width f): the LM prefix at (a) / (b) batch 64, the expert's MLP at (a) batch 64."""
 GELU_SHAPES = {"vision fc1 a": (64 * 3 * 256, 1152, 4304)}
@@ -58,18 +59,22 @@ class Variant:
     layout: str = "two"
     persistent: bool = False
     tiles: GemmTiles = DEFAULT_TILES
+    gelu: str = "tanh"
+    """The epilogue's GELU: "tanh", the shipped 0.5 g (1 + tanh z) (`kernels._gelu_tanh`), or "sigmoid", the same
+    function as g sigmoid(2 z): one exp2, one division and no tanh assembly (`_gelu_sigmoid`)."""
 
     @property
     def name(self) -> str:
         """A row's ``variant``: every field in words."""
         t = self.tiles
         sched = "persistent" if self.persistent else "one tile a program"
+        gelu = "" if self.gelu == "tanh" else f", {self.gelu} gelu"
         return (f"{self.layout}, {sched}, {t.block_m}x{t.block_n}x{t.block_k}, group {t.group_m}, "
-                f"{t.num_warps} warps, {t.num_stages} stages")  # fmt: skip
+                f"{t.num_warps} warps, {t.num_stages} stages{gelu}")  # fmt: skip
 
     def fields(self) -> dict[str, Any]:
         """The row's columns: layout, persistent and every launch-geometry field."""
-        return {"layout": self.layout, "persistent": self.persistent, **asdict(self.tiles)}
+        return {"layout": self.layout, "persistent": self.persistent, "gelu": self.gelu, **asdict(self.tiles)}
 
 
 def _tiles(**changes: int) -> GemmTiles:
@@ -77,15 +82,19 @@ def _tiles(**changes: int) -> GemmTiles:
 
 
 VARIANTS = (
-    Variant("two", True), Variant("two", True, _tiles(num_stages=3)), Variant("two", True, _tiles(group_m=8)),
+    Variant("two"), Variant("two", gelu="sigmoid"), Variant("two", True), Variant("two", True, gelu="sigmoid"),
+    Variant("two", True, _tiles(num_stages=3)), Variant("two", True, _tiles(group_m=8)),
     Variant("halves"), Variant("halves", tiles=_tiles(num_stages=3)), Variant("halves", True),
     Variant("halves", True, _tiles(num_stages=3)), Variant("pairs"), Variant("pairs", tiles=_tiles(num_stages=3)),
     Variant("pairs", True), Variant("pairs", True, _tiles(num_stages=3)), Variant("pairs", True, _tiles(group_m=8)),
-    Variant("pairs", tiles=_tiles(block_n=64, num_stages=5)),
+    Variant("pairs", True, gelu="sigmoid"), Variant("pairs", tiles=_tiles(block_n=64, num_stages=5)),
 )  # fmt: skip
-"""The sweep: each idea alone and together, at the shipped geometry and one stage fewer (epilogue headroom)."""
+"""The sweep: each idea alone and together, at the shipped geometry and one stage fewer (epilogue headroom).
+``Variant("two")`` is the shipped schedule in this kernel (its tile loop costs it the shipped kernel's reuse of the
+pipeline's shared memory for the epilogue), the baseline the others' gains are read against."""
 GELU_VARIANTS = (
-    Variant("gelu"), Variant("gelu", tiles=_tiles(num_stages=3)), Variant("gelu", True),
+    Variant("gelu"), Variant("gelu", gelu="sigmoid"), Variant("gelu", tiles=_tiles(num_stages=3)),
+    Variant("gelu", True), Variant("gelu", True, gelu="sigmoid"),
     Variant("gelu", tiles=_tiles(block_n=256, num_stages=3)), Variant("gelu", True, _tiles(block_n=256, num_stages=3)),
 )  # fmt: skip
 """SigLIP's fc1 + GELU as one GEMM: 128- and 256-wide tiles (one n = 256 MMA), one tile a program or persistent."""
@@ -95,6 +104,19 @@ if kernels.HAS_TRITON:  # pragma: no cover - needs a CUDA GPU or the interpreter
     import triton
     import triton.language as tl
     from triton.tools.tensor_descriptor import TensorDescriptor
+
+    @triton.jit
+    def _gelu_sigmoid(g):
+        # gelu_tanh(g) = 0.5 g (1 + tanh z) = g sigmoid(2 z), z = sqrt(2/pi) (g + 0.044715 g^3): the exponent
+        # -2 z log2(e) as one multiply-add and a multiply, then one exp2 and one division. exp2 overflows to inf
+        # for g below about -11, where the quotient is -0, as gelu's.
+        return g / (1.0 + tl.exp2(g * (-2.302208198 - 0.1029432394 * g * g)))
+
+    @triton.jit
+    def _act(g, GELU: tl.constexpr):  # noqa: N803
+        if GELU == 1:
+            return _gelu_sigmoid(g)
+        return kernels._gelu_tanh(g)
 
     @triton.jit
     def _tile_origin(tile, grid_m, grid_n, GROUP_M: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):  # noqa: N803
@@ -108,7 +130,7 @@ if kernels.HAS_TRITON:  # pragma: no cover - needs a CUDA GPU or the interpreter
     def _variant_tile(
         x_desc, g_desc, u_desc, o_desc, b_ptr, n, tile, tile_c, grid_m, grid_n,
         K: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,  # noqa: N803
-        GROUP_M: tl.constexpr, LAYOUT: tl.constexpr, INTERPRET: tl.constexpr,  # noqa: N803
+        GROUP_M: tl.constexpr, LAYOUT: tl.constexpr, GELU: tl.constexpr, INTERPRET: tl.constexpr,  # noqa: N803
     ):  # fmt: skip
         # LAYOUT 0: gate and up descriptors, two MMAs a K step; 1 / 2: one interleaved weight (g_desc, blocks of
         # 2 BLOCK_N rows), one MMA of width 2 BLOCK_N, split into gate and up columns after the loop; 3: one weight
@@ -124,7 +146,7 @@ if kernels.HAS_TRITON:  # pragma: no cover - needs a CUDA GPU or the interpreter
                 acc = tl.dot(x, w.T, acc)
             cols = off_cn + tl.arange(0, BLOCK_N)
             bias = tl.load(b_ptr + cols, mask=cols < n, other=0.0).to(tl.float32)
-            out = kernels._gelu_tanh(acc + bias[None, :])
+            out = _act(acc + bias[None, :], GELU)
         elif LAYOUT == 0:
             acc_g = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
             acc_u = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
@@ -135,7 +157,7 @@ if kernels.HAS_TRITON:  # pragma: no cover - needs a CUDA GPU or the interpreter
                     x, g, u = x.to(tl.float32), g.to(tl.float32), u.to(tl.float32)
                 acc_g = tl.dot(x, g.T, acc_g)
                 acc_u = tl.dot(x, u.T, acc_u)
-            out = kernels._gelu_tanh(acc_g) * acc_u
+            out = _act(acc_g, GELU) * acc_u
         else:
             acc = tl.zeros((BLOCK_M, 2 * BLOCK_N), dtype=tl.float32)
             for step in range(K // BLOCK_K):
@@ -147,14 +169,15 @@ if kernels.HAS_TRITON:  # pragma: no cover - needs a CUDA GPU or the interpreter
                 acc_g, acc_u = tl.split(tl.permute(tl.reshape(acc, (BLOCK_M, 2, BLOCK_N)), (0, 2, 1)))
             else:  # columns gate 0, up 0, gate 1, up 1, ...
                 acc_g, acc_u = tl.split(tl.reshape(acc, (BLOCK_M, BLOCK_N, 2)))
-            out = kernels._gelu_tanh(acc_g) * acc_u
+            out = _act(acc_g, GELU) * acc_u
         o_desc.store([off_cm, off_cn], out.to(o_desc.dtype))
 
     @triton.jit
     def _variant_kernel(
         x_desc, g_desc, u_desc, o_desc, b_ptr, m, n, programs,
         K: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,  # noqa: N803
-        GROUP_M: tl.constexpr, LAYOUT: tl.constexpr, FLATTEN: tl.constexpr, INTERPRET: tl.constexpr,  # noqa: N803
+        GROUP_M: tl.constexpr, LAYOUT: tl.constexpr, GELU: tl.constexpr, FLATTEN: tl.constexpr,  # noqa: N803
+        INTERPRET: tl.constexpr,  # noqa: N803
     ):  # fmt: skip
         # Tiles program_id, + programs, ... (one when every tile has its program). The epilogue gets its own copy
         # of the tile index (`tile_c`), as in Triton's persistent matmul: the flattened loop's loads run a tile ahead.
@@ -163,14 +186,14 @@ if kernels.HAS_TRITON:  # pragma: no cover - needs a CUDA GPU or the interpreter
             tile = tl.program_id(0)
             while tile < grid_m * grid_n:
                 _variant_tile(x_desc, g_desc, u_desc, o_desc, b_ptr, n, tile, tile, grid_m, grid_n, K, BLOCK_M,
-                              BLOCK_N, BLOCK_K, GROUP_M, LAYOUT, INTERPRET)  # fmt: skip
+                              BLOCK_N, BLOCK_K, GROUP_M, LAYOUT, GELU, INTERPRET)  # fmt: skip
                 tile += programs
         else:
             tile_c = tl.program_id(0) - programs
             for tile in tl.range(tl.program_id(0), grid_m * grid_n, programs, flatten=FLATTEN):
                 tile_c += programs
                 _variant_tile(x_desc, g_desc, u_desc, o_desc, b_ptr, n, tile, tile_c, grid_m, grid_n, K, BLOCK_M,
-                              BLOCK_N, BLOCK_K, GROUP_M, LAYOUT, INTERPRET)  # fmt: skip
+                              BLOCK_N, BLOCK_K, GROUP_M, LAYOUT, GELU, INTERPRET)  # fmt: skip
 
 
 def interleave(gate: torch.Tensor, up: torch.Tensor, layout: str, block_n: int) -> torch.Tensor:
@@ -217,7 +240,8 @@ def _launch(x: torch.Tensor, n: int, descs: tuple, bias: torch.Tensor, v: Varian
     tiles = triton.cdiv(m, bm) * triton.cdiv(n, bn)
     grid = min(programs, tiles) if v.persistent else tiles
     _variant_kernel[(grid,)](x_desc, *descs, o_desc, bias, m, n, grid, K=k, BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk,
-                             GROUP_M=t.group_m, LAYOUT=LAYOUTS.index(v.layout), FLATTEN=v.persistent,
+                             GROUP_M=t.group_m, LAYOUT=LAYOUTS.index(v.layout), GELU=GELUS.index(v.gelu),
+                             FLATTEN=v.persistent,
                              INTERPRET=kernels.INTERPRETED, num_warps=t.num_warps,
                              num_stages=t.num_stages)  # fmt: skip
     return out

@@ -4,12 +4,18 @@
 
 Device time is scarce, so a kernel variant is compiled here first (Triton's ahead-of-time path: `triton.compile` for
 ``GPUTarget("cuda", 90, 32)``, ptxas from the Triton wheel) and only what fits goes to the GPU. Per kernel and width
-K one row with compiler facts, no timing: ``shared_bytes`` (the H200 allows 232,448 a block), ``registers`` a
-thread, ``spill_bytes`` (local memory: any spill is a red flag), ``wgmma`` (the MMA instruction shapes: m64n256k16
-is one n = 256 MMA, what the interleaved layouts are for), ``wgmma_waits`` (the ``wgmma.wait_group`` depths: a
-nonzero depth in the K loop keeps MMAs in flight across iterations) and ``loops`` (``scf.for`` in the TTGIR: 1 when
-a persistent variant's loop nest was flattened). Kernels: the shipped `geglu_gemm._geglu_gemm_kernel` at
-`DEFAULT_TILES` and every variant of `bench_geglu_variants`.
+K one row with compiler facts, no timing:
+
+- ``shared_bytes`` (the H200 allows 232,448 a block), ``registers`` a thread, ``spill_bytes`` (local memory: any
+  spill is a red flag);
+- ``wgmma``: the MMA instruction shapes (m64n256k16 is one n = 256 MMA, what the interleaved layouts are for);
+- ``wgmma_waits``: the ``wgmma.wait_group`` depths (a nonzero depth in the K loop keeps MMAs in flight across
+  iterations);
+- ``loops``: ``scf.for`` in the TTGIR (1 when a persistent variant's loop nest was flattened);
+- ``epilogue_instructions``: SASS instructions after the last ``HGMMA``, the tile's GeGLU/GELU and store, which the
+  tensor cores wait for unless a persistent loop hides them.
+
+Kernels: the shipped `geglu_gemm._geglu_gemm_kernel` at `DEFAULT_TILES` and every variant of `bench_geglu_variants`.
 """
 
 from __future__ import annotations
@@ -53,8 +59,10 @@ def _facts(kernel) -> dict[str, Any]:
         cubin = Path(tmp) / "kernel.cubin"
         cubin.write_bytes(kernel.asm["cubin"])
         tool = Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / "cuobjdump"
-        usage = subprocess.run([os.fspath(tool), "-res-usage", os.fspath(cubin)], capture_output=True, text=True,
-                               check=True).stdout  # fmt: skip
+        usage, sass = (subprocess.run([os.fspath(tool), flag, os.fspath(cubin)], capture_output=True, text=True,
+                                      check=True).stdout for flag in ("-res-usage", "-sass"))  # fmt: skip
+    code = [line for line in sass.splitlines() if re.match(r"\s+/\*[0-9a-f]{4}\*/", line)]
+    last_mma = max((i for i, line in enumerate(code) if "HGMMA" in line), default=len(code))
     return {
         "shared_bytes": kernel.metadata.shared,
         "registers": int(re.search(r"REG:(\d+)", usage).group(1)),
@@ -62,6 +70,7 @@ def _facts(kernel) -> dict[str, Any]:
         "wgmma": sorted(set(re.findall(r"wgmma\.mma_async\.sync\.aligned\.(m\d+n\d+k\d+)", ptx))),
         "wgmma_waits": [int(w) for w in re.findall(r"wgmma\.wait_group\.sync\.aligned\s+(\d+)", ptx)],
         "loops": kernel.asm["ttgir"].count("scf.for"),
+        "epilogue_instructions": len(code) - last_mma - 1,
     }
 
 
@@ -84,7 +93,8 @@ def variant(v: variants.Variant, k: int) -> dict[str, Any]:
                  "o_desc": _desc([t.block_m, t.block_n]), "b_ptr": "*bf16", "m": "i32", "n": "i32",
                  "programs": "i32"}  # fmt: skip
     constexprs = {"K": k, "BLOCK_M": t.block_m, "BLOCK_N": t.block_n, "BLOCK_K": t.block_k, "GROUP_M": t.group_m,
-                  "LAYOUT": variants.LAYOUTS.index(v.layout), "FLATTEN": v.persistent, "INTERPRET": False}  # fmt: skip
+                  "LAYOUT": variants.LAYOUTS.index(v.layout), "GELU": variants.GELUS.index(v.gelu),
+                  "FLATTEN": v.persistent, "INTERPRET": False}  # fmt: skip
     return _facts(_compile(variants._variant_kernel, signature, constexprs, t))
 
 

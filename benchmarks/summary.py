@@ -51,8 +51,13 @@ TABLES: dict[str, Table] = {
                          ("us_per_call", "weight_gb_per_s", "max_rel_err", "status")),
     "profile": Table(("case", "batch", "stage", "mode"), ("wall_ms", "kernel_ms", "kernels_per_call")),
     "prefix_parts": Table(("part", "case", "variant"), ("us_per_call", "tflops", "tb_per_s")),
-    "geglu_variants": Table(("case", "variant", "num_stages"), ("us_per_call", "tflops", "max_rel_err", "status")),
-    "compile_sm90": Table(("kernel", "num_stages", "k"), ("shared_bytes", "registers", "spill_bytes", "wgmma", "status")),
+    "geglu_variants": Table(
+        ("case", "variant", "num_stages", "gelu"), ("us_per_call", "tflops", "max_rel_err", "status")
+    ),
+    "compile_sm90": Table(
+        ("kernel", "num_stages", "gelu", "k"),
+        ("shared_bytes", "registers", "spill_bytes", "wgmma", "epilogue_instructions", "status"),
+    ),
     "expert_kernels": Table(
         ("case", "batch", "fused_kernels"),
         ("kernels_per_layer_step", "prefix_kernels_per_layer", "denoise_kernels_per_step_outside_layers"),

@@ -17,6 +17,10 @@ do not, each a candidate here:
   as the shipped kernel), the loop nest flattened so that the next tile's TMA loads are issued during this tile's
   last K steps and epilogue (Triton's software pipeliner; Triton has no warp specialisation on sm90).
 
+A third candidate is a library kernel: quack-kernels' `gemm_act` (already installed with FlashAttention-4, the
+``flash`` extra), a warp-specialised, persistent CuTe-DSL GEMM for sm90 with the GeGLU (or fc1's bias + GELU) in its
+epilogue, at its default configuration and four pinned ones. Where quack is not importable its row says why.
+
 Each row: ``case``, ``m``, ``k``, ``f``, ``variant``, the launch geometry, ``us_per_call`` (median of graph replays
 of 5 calls), ``tflops`` (of the 2 x m x k x 2f FLOPs) and ``max_rel_err`` against the float32 reference on the
 first 4,096 rows. cuBLAS rows (gate alone, [gate; up] as one GEMM, the model's unfused gate, up + GeGLU kernel)
@@ -247,91 +251,127 @@ def _launch(x: torch.Tensor, n: int, descs: tuple, bias: torch.Tensor, v: Varian
     return out
 
 
+QUACK_CONFIGS = ((256, 128, False, 2, 1), (128, 256, False, 2, 1), (128, 192, True, 1, 2), (128, 128, True, 2, 1))
+"""(tile_m, tile_n, pingpong, cluster_m, cluster_n) of quack's sm90 GEMM pinned beside its default (`tuned=False`);
+tile_n counts pre-activation columns (gate and up interleaved), so the output tile is half as wide."""
+
+
+def _quack_calls(gated: bool) -> list[tuple[str, dict[str, Any], Callable[..., torch.Tensor]]] | str:
+    """quack-kernels' warp-specialised CuTe-DSL GEMM with its activation epilogue (FlashAttention-4's dependency,
+    `pip install 'phyai-gym[flash]'`): (variant, row fields, fn(x, weight, bias)) per configuration, or why not.
+
+    GeGLU reads the (2F, K) [gate; up] stack as B = stack^T with ``concat_layout=("B",)`` (quack's kernel relabels
+    the concatenation as its interleaved layout: no copy); fc1 + GELU is ``gelu_tanh_approx`` with the bias.
+    """
+    try:
+        from quack.gemm_config import GemmConfig
+        from quack.gemm_interface import gemm_act
+    except Exception as err:  # noqa: BLE001 - any import failure means "not run", with its reason
+        return f"not run: quack not importable ({type(err).__name__}: {err})"[:300]
+    act = "geglu" if gated else "gelu_tanh_approx"
+    extra = {"concat_layout": ("B",)} if gated else {}
+    pinned = [GemmConfig(tile_m=m, tile_n=n, pingpong=p, cluster_m=cm, cluster_n=cn, is_dynamic_persistent=False,
+                         device_capacity=9) for m, n, p, cm, cn in QUACK_CONFIGS]  # fmt: skip
+    calls = []
+    for config in (None, *pinned):
+
+        def fn(x, weight, bias, config=config):
+            return gemm_act(x, weight.T, bias=bias, activation=act, store_preact=False, tuned=False, config=config,
+                            **extra)[1]  # fmt: skip
+
+        shape = "default config" if config is None else (
+            f"{config.tile_m}x{config.tile_n} {'pingpong' if config.pingpong else 'cooperative'} "
+            f"cluster {config.cluster_m}x{config.cluster_n}")  # fmt: skip
+        calls.append((f"quack gemm_act {act}, {shape}", {"quack_config": shape}, fn))
+    return calls
+
+
 def _rel_err(out: torch.Tensor, ref: torch.Tensor) -> float:
     return float((out.float() - ref).abs().max() / ref.abs().max())
+
+
+class _Sweep:
+    """One shape's rows: each candidate checked against the float32 reference on the first rows, then timed."""
+
+    def __init__(self, base: dict[str, Any], flops: float, ref: torch.Tensor, timer: Callable[..., float]) -> None:
+        self.base, self.flops, self.ref, self.timer = base, flops, ref, timer
+        self.rows: list[dict[str, Any]] = []
+
+    def add(self, variant: str, fn: Callable, check: Callable | None, extra: dict | None = None,
+            share: float = 1.0) -> None:  # fmt: skip
+        """Time `fn` (the full call); `check()` computes the first rows, whose error is recorded. A failure of
+        either (a compile error, shared memory, a configuration a library rejects) is recorded and the sweep goes on.
+        """
+        row = {**self.base, "variant": variant, **(extra or {})}
+        try:
+            err = None if check is None else _rel_err(check(), self.ref)
+            us = self.timer(fn, calls=5)
+            row.update(us_per_call=us, tflops=share * self.flops / us / 1e6, max_rel_err=err, status="ran")
+        except Exception as e:  # noqa: BLE001 - record and go on
+            row["status"] = f"failed: {type(e).__name__}: {e}"[:500]
+        self.rows.append(row)
+        print(row, flush=True)
+
+    def library(self, calls, x: torch.Tensor, head: torch.Tensor, weight: torch.Tensor, bias) -> None:
+        """A library's kernels (`_quack_calls`), or one row saying why none ran."""
+        if isinstance(calls, str):
+            self.rows.append({**self.base, "variant": "quack gemm_act", "status": calls})
+            return
+        for name, fields, fn in calls:
+            self.add(name, lambda fn=fn: fn(x, weight, bias), lambda fn=fn: fn(head, weight, bias), fields)
+
+
+def _device() -> str:
+    return "cuda" if torch.cuda.is_available() else "cpu"  # CPU: a dry run under Triton's interpreter
 
 
 def _shape_rows(
     case: str, m: int, k: int, f: int, variants: tuple[Variant, ...], programs: int, timer: Callable[..., float]
 ) -> list[dict]:
-    """One shape's rows: cuBLAS, the shipped kernel, then each variant (a failure is recorded, not raised).
+    """One GeGLU shape: cuBLAS, the shipped kernel, each variant, quack's gated GEMM.
 
     `timer(fn, calls)`: microseconds per call (`graph_time_us` on the GPU).
     """
-    dev = "cuda" if torch.cuda.is_available() else "cpu"  # CPU: a dry run under Triton's interpreter
-    g = torch.Generator(device=dev).manual_seed(3)
-    gate, up = ((torch.randn(f, k, device=dev, generator=g) * 0.02).bfloat16() for _ in range(2))
-    x = torch.randn(m, k, device=dev, generator=g).bfloat16()
+    g = torch.Generator(device=_device()).manual_seed(3)
+    gate, up = ((torch.randn(f, k, device=_device(), generator=g) * 0.02).bfloat16() for _ in range(2))
+    x = torch.randn(m, k, device=_device(), generator=g).bfloat16()
     head = x[:4096]
-    ref = geglu_gemm.reference(head, gate, up)
     stacked = torch.cat([gate, up])
-    flops = 2 * m * k * 2 * f
-    rows: list[dict[str, Any]] = []
-
-    def add(variant: str, fn, err: float | None, extra: dict | None = None, share: float = 1.0) -> None:
-        row = {"case": case, "m": m, "k": k, "f": f, "variant": variant, **(extra or {})}
-        try:
-            us = timer(fn, calls=5)
-            row.update(us_per_call=us, tflops=share * flops / us / 1e6, max_rel_err=err, status="ran")
-        except Exception as e:  # noqa: BLE001 - e.g. out of shared memory or registers: record and go on
-            row["status"] = f"failed: {type(e).__name__}: {e}"[:500]
-        rows.append(row)
-        print(row, flush=True)
-
-    add("cuBLAS gate alone", lambda: F.linear(x, gate), None, share=0.5)
-    add("cuBLAS [gate; up] one GEMM", lambda: F.linear(x, stacked), None)
-    add("cuBLAS gate, up + geglu kernel", lambda: kernels.geglu(F.linear(x, gate), F.linear(x, up)),
-        _rel_err(kernels.geglu(F.linear(head, gate), F.linear(head, up)), ref))  # fmt: skip
-    add("shipped geglu_linear", lambda: geglu_gemm.geglu_linear(x, gate, up),
-        _rel_err(geglu_gemm.geglu_linear(head, gate, up), ref), asdict(geglu_gemm.DEFAULT_TILES))  # fmt: skip
+    sweep = _Sweep({"case": case, "m": m, "k": k, "f": f}, 2 * m * k * 2 * f, geglu_gemm.reference(head, gate, up),
+                   timer)  # fmt: skip
+    sweep.add("cuBLAS gate alone", lambda: F.linear(x, gate), None, share=0.5)
+    sweep.add("cuBLAS [gate; up] one GEMM", lambda: F.linear(x, stacked), None)
+    sweep.add("cuBLAS gate, up + geglu kernel", lambda: kernels.geglu(F.linear(x, gate), F.linear(x, up)),
+              lambda: kernels.geglu(F.linear(head, gate), F.linear(head, up)))  # fmt: skip
+    sweep.add("shipped geglu_linear", lambda: geglu_gemm.geglu_linear(x, gate, up),
+              lambda: geglu_gemm.geglu_linear(head, gate, up), asdict(geglu_gemm.DEFAULT_TILES))  # fmt: skip
     for v in variants:
         w = None if v.layout == "two" else interleave(gate, up, v.layout, v.tiles.block_n)
-        try:
-            err = _rel_err(variant_linear(head, gate, up, w, v, programs), ref)
-        except Exception as e:  # noqa: BLE001 - a compile failure: recorded, the sweep goes on
-            rows.append({"case": case, "m": m, "variant": v.name, **v.fields(),
-                         "status": f"failed: {type(e).__name__}: {e}"[:500]})  # fmt: skip
-            continue
-        add(v.name, lambda v=v, w=w: variant_linear(x, gate, up, w, v, programs), err, v.fields())
-    return rows
+        sweep.add(v.name, lambda v=v, w=w: variant_linear(x, gate, up, w, v, programs),
+                  lambda v=v, w=w: variant_linear(head, gate, up, w, v, programs), v.fields())  # fmt: skip
+    sweep.library(_quack_calls(gated=True), x, head, stacked, None)
+    return sweep.rows
 
 
 def _gelu_rows(
     case: str, m: int, k: int, f: int, variants: tuple[Variant, ...], programs: int, timer: Callable[..., float]
 ) -> list[dict]:
-    """SigLIP's fc1 + GELU: cuBLAS alone, cuBLAS + `kernels.gelu_tanh_` (the model's path), then each variant."""
-    dev = "cuda" if torch.cuda.is_available() else "cpu"
-    g = torch.Generator(device=dev).manual_seed(4)
-    weight = (torch.randn(f, k, device=dev, generator=g) * 0.03).bfloat16()
-    bias = torch.randn(f, device=dev, generator=g).bfloat16()
-    x = torch.randn(m, k, device=dev, generator=g).bfloat16()
+    """SigLIP's fc1 + GELU: cuBLAS alone, cuBLAS + `kernels.gelu_tanh_` (the model's path), each variant, quack's."""
+    g = torch.Generator(device=_device()).manual_seed(4)
+    weight = (torch.randn(f, k, device=_device(), generator=g) * 0.03).bfloat16()
+    bias = torch.randn(f, device=_device(), generator=g).bfloat16()
+    x = torch.randn(m, k, device=_device(), generator=g).bfloat16()
     head = x[:4096]
     ref = F.gelu(head.float() @ weight.float().T + bias.float(), approximate="tanh")
-    flops = 2 * m * k * f
-    rows: list[dict[str, Any]] = []
-
-    def add(variant: str, fn, err: float | None, extra: dict | None = None) -> None:
-        row = {"case": case, "m": m, "k": k, "f": f, "variant": variant, **(extra or {})}
-        try:
-            us = timer(fn, calls=5)
-            row.update(us_per_call=us, tflops=flops / us / 1e6, max_rel_err=err, status="ran")
-        except Exception as e:  # noqa: BLE001 - e.g. out of shared memory or registers: record and go on
-            row["status"] = f"failed: {type(e).__name__}: {e}"[:500]
-        rows.append(row)
-        print(row, flush=True)
-
-    add("cuBLAS fc1 alone", lambda: F.linear(x, weight, bias), None)
-    add("cuBLAS fc1 + gelu_tanh_ kernel", lambda: kernels.gelu_tanh_(F.linear(x, weight, bias)),
-        _rel_err(kernels.gelu_tanh_(F.linear(head, weight, bias)), ref))  # fmt: skip
+    sweep = _Sweep({"case": case, "m": m, "k": k, "f": f}, 2 * m * k * f, ref, timer)
+    sweep.add("cuBLAS fc1 alone", lambda: F.linear(x, weight, bias), None)
+    sweep.add("cuBLAS fc1 + gelu_tanh_ kernel", lambda: kernels.gelu_tanh_(F.linear(x, weight, bias)),
+              lambda: kernels.gelu_tanh_(F.linear(head, weight, bias)))  # fmt: skip
     for v in variants:
-        try:
-            err = _rel_err(gelu_linear(head, weight, bias, v, programs), ref)
-        except Exception as e:  # noqa: BLE001 - a compile failure: recorded, the sweep goes on
-            rows.append({"case": case, "m": m, "variant": v.name, **v.fields(),
-                         "status": f"failed: {type(e).__name__}: {e}"[:500]})  # fmt: skip
-            continue
-        add(v.name, lambda v=v: gelu_linear(x, weight, bias, v, programs), err, v.fields())
-    return rows
+        sweep.add(v.name, lambda v=v: gelu_linear(x, weight, bias, v, programs),
+                  lambda v=v: gelu_linear(head, weight, bias, v, programs), v.fields())  # fmt: skip
+    sweep.library(_quack_calls(gated=False), x, head, weight, bias)
+    return sweep.rows
 
 
 def run(out: Path | None = None) -> list[dict[str, Any]]:

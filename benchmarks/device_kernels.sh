@@ -1,10 +1,13 @@
 #!/usr/bin/env bash
-# A kernel experiment in one call (no wheels needed): carry nothing
+# A kernel experiment in one call: carry nothing, or with FLASH=1 (quack-kernels' GEMMs among the candidates) the
+# FlashAttention-4 wheel set in two calls (`bash benchmarks/fetch_device_wheels.sh` here first):
 #
-#   PHYAI_GYM_COMMIT=<sha> timeout 560 bash benchmarks/device_kernels.sh; cd $OUT && tar czf kernels.tgz kernels
+#   call 1: carry [".whl_flash/call1"]   bash benchmarks/device_flash.sh stage
+#   call 2: carry [".whl_flash/call2"]   FLASH=1 PHYAI_GYM_COMMIT=<sha> timeout 560 bash benchmarks/device_kernels.sh; \
+#                                        cd $OUT && tar czf kernels.tgz kernels
 #
 # The CUDA tests of the kernels, then the gpu_suite sections in $SECTIONS (default: `geglu_variants`, the candidate
-# schedules of the LM's gate/up + GeGLU GEMM against the shipped kernel and cuBLAS), each timed out on its own
+# schedules of the LM's gate/up + GeGLU GEMM against the shipped kernel, cuBLAS and quack's), each timed out on its own
 # ($SECTION_TIMEOUT, default 300 s) and logged under $OUT/kernels.
 set -u
 ROOT="$(cd "$(dirname "$0")/.." && pwd)"
@@ -12,6 +15,11 @@ DIR="$OUT/kernels"
 mkdir -p "$DIR"
 cd "$ROOT" || exit 1
 export PYTHONPATH="$ROOT"
+if [ "${FLASH:-0}" = 1 ]; then  # install the staged wheels to /tmp/site, stop after the smoke test
+    BENCH_TIMEOUT=0 TEST_TIMEOUT=0 OUT="$DIR/flash" bash benchmarks/device_flash.sh run > "$DIR/flash.log" 2>&1
+    grep STATUS "$DIR/flash.log"
+    export PYTHONPATH="/tmp/site:/tmp/site/nvidia_cutlass_dsl/dsl_packages:$ROOT"
+fi
 nvidia-smi --query-gpu=name,driver_version --format=csv,noheader
 python3 -c "import torch, triton; print('torch', torch.__version__, 'triton', triton.__version__)"
 

@@ -3,11 +3,12 @@
     python -m benchmarks.compile_sm90 [--out DIR]    # CPU, triton installed; rows -> compile_sm90.jsonl
 
 Device time is scarce, so a kernel variant is compiled here first (Triton's ahead-of-time path: `triton.compile` for
-``GPUTarget("cuda", 90, 32)``, ptxas from the Triton wheel) and only what fits goes to the GPU. Per kernel and width
-K one row with compiler facts, no timing:
+``GPUTarget("cuda", 90, 32)``, ptxas from the Triton wheel, the SASS by `triton.tools.disasm`) and only what fits
+goes to the GPU. Per kernel one row with compiler facts, no timing:
 
-- ``shared_bytes`` (the H200 allows 232,448 a block), ``registers`` a thread, ``spill_bytes`` (local memory: any
-  spill is a red flag);
+- ``shared_bytes`` (the H200 allows 232,448 a block); ``registers_named`` (the highest register the SASS names, plus
+  one: ptxas's allocation, ``cuobjdump -res-usage``, is 2 more); ``spill_instructions`` (local-memory loads and
+  stores, LDL/STL: any spill is a red flag);
 - ``wgmma``: the MMA instruction shapes (m64n256k16 is one n = 256 MMA, what the interleaved layouts are for);
 - ``wgmma_waits``: the ``wgmma.wait_group`` depths (a nonzero depth in the K loop keeps MMAs in flight across
   iterations);
@@ -20,10 +21,7 @@ Kernels: the shipped `geglu_gemm._geglu_gemm_kernel` at `DEFAULT_TILES` and ever
 
 from __future__ import annotations
 
-import os
 import re
-import subprocess
-import tempfile
 from dataclasses import asdict
 from pathlib import Path
 from typing import Any
@@ -51,22 +49,16 @@ def _compile(fn, signature: dict[str, str], constexprs: dict[str, Any], tiles: g
 
 
 def _facts(kernel) -> dict[str, Any]:
-    """What the compiler made of one kernel: shared memory, registers and spills (cuobjdump), MMAs, waits, loops."""
-    import triton
+    """What the compiler made of one kernel, read from its PTX, TTGIR and SASS (Triton's `get_sass`)."""
+    from triton.tools.disasm import get_sass
 
     ptx = kernel.asm["ptx"]
-    with tempfile.TemporaryDirectory() as tmp:
-        cubin = Path(tmp) / "kernel.cubin"
-        cubin.write_bytes(kernel.asm["cubin"])
-        tool = Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / "cuobjdump"
-        usage, sass = (subprocess.run([os.fspath(tool), flag, os.fspath(cubin)], capture_output=True, text=True,
-                                      check=True).stdout for flag in ("-res-usage", "-sass"))  # fmt: skip
-    code = [line for line in sass.splitlines() if re.match(r"\s+/\*[0-9a-f]{4}\*/", line)]
+    code = [line.split("\t", 1)[1] for line in get_sass(kernel.asm["cubin"]).splitlines() if "\t" in line]
     last_mma = max((i for i, line in enumerate(code) if "HGMMA" in line), default=len(code))
     return {
         "shared_bytes": kernel.metadata.shared,
-        "registers": int(re.search(r"REG:(\d+)", usage).group(1)),
-        "spill_bytes": int(re.search(r"LOCAL:(\d+)", usage).group(1)),
+        "registers_named": 1 + max(int(r) for line in code for r in re.findall(r"\bR(\d+)\b", line)),
+        "spill_instructions": sum(bool(re.search(r"\b(LDL|STL)\b", line)) for line in code),
         "wgmma": sorted(set(re.findall(r"wgmma\.mma_async\.sync\.aligned\.(m\d+n\d+k\d+)", ptx))),
         "wgmma_waits": [int(w) for w in re.findall(r"wgmma\.wait_group\.sync\.aligned\s+(\d+)", ptx)],
         "loops": kernel.asm["ttgir"].count("scf.for"),

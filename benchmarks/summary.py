@@ -56,7 +56,7 @@ TABLES: dict[str, Table] = {
     ),
     "compile_sm90": Table(
         ("kernel", "num_stages", "gelu", "k"),
-        ("shared_bytes", "registers", "spill_bytes", "wgmma", "epilogue_instructions", "status"),
+        ("shared_bytes", "registers_named", "spill_instructions", "wgmma", "epilogue_instructions", "status"),
     ),
     "expert_kernels": Table(
         ("case", "batch", "fused_kernels"),

@@ -4,7 +4,7 @@
 
 Why: at case (a) batch 64 the shipped `geglu_gemm.geglu_linear` runs 234 of the prefix's 478 ms at 605 TFLOP/s in
 the graph (640 alone), where cuBLAS runs the LM's down projection at ~700; closing that gap is the one change large
-enough for the 120 samples/s target (~13 ms short). Two things the shipped kernel does that cuBLAS's Hopper kernels
+enough for the 120 samples/s target (~13 ms short). Three things the shipped kernel does that cuBLAS's Hopper kernels
 do not, each a candidate here:
 
 - **Two 128-wide MMAs a K step** (gate and up, the same x tile): one wgmma of n = 256 over a weight whose gate and
@@ -14,12 +14,17 @@ do not, each a candidate here:
   the (block_m, 2 block_n) accumulator back into gate and up in registers (`tl.split`).
 - **One tile a program**: one CTA fills an SM (4 stages of 48 KB), so the tensor cores idle through every tile's
   prologue and GeGLU epilogue. ``persistent`` launches one program per SM that walks the tiles (grouped along M
-  as the shipped kernel), the loop nest flattened so that the next tile's TMA loads are issued during this tile's
-  last K steps and epilogue (Triton's software pipeliner; Triton has no warp specialisation on sm90).
+  as the shipped kernel, `geglu_gemm.tile_origin`), the loop nest flattened so that the next tile's TMA loads are
+  issued during this tile's last K steps and epilogue (Triton's software pipeliner; Triton has no warp
+  specialisation on sm90).
+- **A long epilogue**: the GELU as 0.5 g (1 + tanh z) assembles tanh from an exp and a division; ``sigmoid`` computes
+  the same function as g sigmoid(2 z), one exp2 and one division (`compile_sm90`: 954 instead of 1,466 SASS
+  instructions after the last MMA).
 
-A third candidate is a library kernel: quack-kernels' `gemm_act` (already installed with FlashAttention-4, the
-``flash`` extra), a warp-specialised, persistent CuTe-DSL GEMM for sm90 with the GeGLU (or fc1's bias + GELU) in its
-epilogue, at its default configuration and four pinned ones. Where quack is not importable its row says why.
+SigLIP's fc1 + bias + GELU as one GEMM (the ``gelu`` layout) is swept at its own shape. Beside them, a library
+kernel: quack-kernels' `gemm_act` (already installed with FlashAttention-4, the ``flash`` extra), a warp-specialised,
+persistent CuTe-DSL GEMM for sm90 with the GeGLU (or fc1's bias + GELU) in its epilogue, at its default
+configuration and four pinned ones. Where quack is not importable its row says why.
 
 Each row: ``case``, ``m``, ``k``, ``f``, ``variant``, the launch geometry, ``us_per_call`` (median of graph replays
 of 5 calls), ``tflops`` (of the 2 x m x k x 2f FLOPs) and ``max_rel_err`` against the float32 reference on the
@@ -123,12 +128,19 @@ if kernels.HAS_TRITON:  # pragma: no cover - needs a CUDA GPU or the interpreter
         return kernels._gelu_tanh(g)
 
     @triton.jit
-    def _tile_origin(tile, grid_m, grid_n, GROUP_M: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):  # noqa: N803
-        # The shipped kernel's order: tiles grouped GROUP_M along M, so a group's x and weight tiles share L2.
-        per_group = GROUP_M * grid_n
-        first_m = (tile // per_group) * GROUP_M
-        rows = min(grid_m - first_m, GROUP_M)
-        return (first_m + (tile % per_group) % rows) * BLOCK_M, ((tile % per_group) // rows) * BLOCK_N
+    def _one_weight(
+        x_desc, w_desc, off_m, row,
+        K: tl.constexpr, BLOCK_M: tl.constexpr, WIDTH: tl.constexpr, BLOCK_K: tl.constexpr,  # noqa: N803
+        INTERPRET: tl.constexpr,  # noqa: N803
+    ):  # fmt: skip
+        # x tile (BLOCK_M, K) against WIDTH weight rows from `row`: one MMA a K step, float32 accumulation.
+        acc = tl.zeros((BLOCK_M, WIDTH), dtype=tl.float32)
+        for step in range(K // BLOCK_K):
+            x, w = x_desc.load([off_m, step * BLOCK_K]), w_desc.load([row, step * BLOCK_K])
+            if INTERPRET:  # the interpreter's tl.dot misreads bfloat16; half products are exact in float32
+                x, w = x.to(tl.float32), w.to(tl.float32)
+            acc = tl.dot(x, w.T, acc)
+        return acc
 
     @triton.jit
     def _variant_tile(
@@ -139,19 +151,9 @@ if kernels.HAS_TRITON:  # pragma: no cover - needs a CUDA GPU or the interpreter
         # LAYOUT 0: gate and up descriptors, two MMAs a K step; 1 / 2: one interleaved weight (g_desc, blocks of
         # 2 BLOCK_N rows), one MMA of width 2 BLOCK_N, split into gate and up columns after the loop; 3: one weight
         # (g_desc) and a bias, gelu_tanh(x w^T + b) (SigLIP's fc1 and its GELU).
-        off_m, off_n = _tile_origin(tile, grid_m, grid_n, GROUP_M, BLOCK_M, BLOCK_N)
-        off_cm, off_cn = _tile_origin(tile_c, grid_m, grid_n, GROUP_M, BLOCK_M, BLOCK_N)
-        if LAYOUT == 3:
-            acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-            for step in range(K // BLOCK_K):
-                x, w = x_desc.load([off_m, step * BLOCK_K]), g_desc.load([off_n, step * BLOCK_K])
-                if INTERPRET:
-                    x, w = x.to(tl.float32), w.to(tl.float32)
-                acc = tl.dot(x, w.T, acc)
-            cols = off_cn + tl.arange(0, BLOCK_N)
-            bias = tl.load(b_ptr + cols, mask=cols < n, other=0.0).to(tl.float32)
-            out = _act(acc + bias[None, :], GELU)
-        elif LAYOUT == 0:
+        off_m, off_n = geglu_gemm.tile_origin(tile, grid_m, grid_n, GROUP_M, BLOCK_M, BLOCK_N)
+        off_cm, off_cn = geglu_gemm.tile_origin(tile_c, grid_m, grid_n, GROUP_M, BLOCK_M, BLOCK_N)
+        if LAYOUT == 0:
             acc_g = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
             acc_u = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
             for step in range(K // BLOCK_K):
@@ -162,13 +164,13 @@ if kernels.HAS_TRITON:  # pragma: no cover - needs a CUDA GPU or the interpreter
                 acc_g = tl.dot(x, g.T, acc_g)
                 acc_u = tl.dot(x, u.T, acc_u)
             out = _act(acc_g, GELU) * acc_u
+        elif LAYOUT == 3:
+            acc = _one_weight(x_desc, g_desc, off_m, off_n, K, BLOCK_M, BLOCK_N, BLOCK_K, INTERPRET)
+            cols = off_cn + tl.arange(0, BLOCK_N)
+            bias = tl.load(b_ptr + cols, mask=cols < n, other=0.0).to(tl.float32)
+            out = _act(acc + bias[None, :], GELU)
         else:
-            acc = tl.zeros((BLOCK_M, 2 * BLOCK_N), dtype=tl.float32)
-            for step in range(K // BLOCK_K):
-                x, w = x_desc.load([off_m, step * BLOCK_K]), g_desc.load([2 * off_n, step * BLOCK_K])
-                if INTERPRET:
-                    x, w = x.to(tl.float32), w.to(tl.float32)
-                acc = tl.dot(x, w.T, acc)
+            acc = _one_weight(x_desc, g_desc, off_m, 2 * off_n, K, BLOCK_M, 2 * BLOCK_N, BLOCK_K, INTERPRET)
             if LAYOUT == 1:  # columns [gate block | up block]
                 acc_g, acc_u = tl.split(tl.permute(tl.reshape(acc, (BLOCK_M, 2, BLOCK_N)), (0, 2, 1)))
             else:  # columns gate 0, up 0, gate 1, up 1, ...

@@ -56,19 +56,22 @@ if kernels.HAS_TRITON:  # pragma: no cover - needs a CUDA GPU or the interpreter
     from triton.tools.tensor_descriptor import TensorDescriptor
 
     @triton.jit
+    def tile_origin(tile, grid_m, grid_n, GROUP_M: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):  # noqa: N803
+        """(first row, first column) of output tile `tile`; tiles are grouped GROUP_M along M (shared L2 tiles)."""
+        per_group = GROUP_M * grid_n
+        first_m = (tile // per_group) * GROUP_M
+        rows = min(grid_m - first_m, GROUP_M)
+        return (first_m + (tile % per_group) % rows) * BLOCK_M, ((tile % per_group) // rows) * BLOCK_N
+
+    @triton.jit
     def _geglu_gemm_kernel(
         x_desc, g_desc, u_desc, o_desc, m, n,
         K: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,  # noqa: N803
         GROUP_M: tl.constexpr,  # noqa: N803
         NUM_STAGES: tl.constexpr, INTERPRET: tl.constexpr,  # noqa: N803
     ):  # fmt: skip
-        pid = tl.program_id(0)
         grid_m, grid_n = tl.cdiv(m, BLOCK_M), tl.cdiv(n, BLOCK_N)
-        per_group = GROUP_M * grid_n
-        first_m = (pid // per_group) * GROUP_M
-        rows = min(grid_m - first_m, GROUP_M)
-        off_m = (first_m + (pid % per_group) % rows) * BLOCK_M
-        off_n = ((pid % per_group) // rows) * BLOCK_N
+        off_m, off_n = tile_origin(tl.program_id(0), grid_m, grid_n, GROUP_M, BLOCK_M, BLOCK_N)
         acc_g = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
         acc_u = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
         for step in tl.range(0, tl.cdiv(K, BLOCK_K), num_stages=NUM_STAGES):  # K: the model width, a constant

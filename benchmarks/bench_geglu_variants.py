@@ -2,10 +2,11 @@
 
     python -m benchmarks.bench_geglu_variants [--out DIR]    # on an sm90 GPU; rows -> geglu_variants.jsonl
 
-Why: at case (a) batch 64 the shipped `geglu_gemm.geglu_linear` runs 234 of the prefix's 478 ms at 605 TFLOP/s in
-the graph (640 alone), where cuBLAS runs the LM's down projection at ~700; closing that gap is the one change large
-enough for the 120 samples/s target (~13 ms short). Three things the shipped kernel does that cuBLAS's Hopper kernels
-do not, each a candidate here:
+Why: at case (a) batch 64 the kernel shipped until 69d1d81 (two 128-wide MMAs a K step, one tile a program) ran 234
+of the prefix's 478 ms at 605 TFLOP/s in the graph (640 alone), where cuBLAS runs the LM's down projection at ~700;
+closing that gap was the one change large enough for the 120 samples/s target (~13 ms short). Three things that
+kernel did that cuBLAS's Hopper kernels do not, each a candidate here (the first sweep, 69d1d81, promoted
+``halves``, persistent, 3 stages: 6.0 % faster at (a) batch 64; the sweep now explores around it):
 
 - **Two 128-wide MMAs a K step** (gate and up, the same x tile): one wgmma of n = 256 over a weight whose gate and
   up rows are interleaved reads the x operand once instead of twice. ``halves`` interleaves blocks of `block_n`
@@ -50,8 +51,11 @@ from policies.pi05.geglu_gemm import DEFAULT_TILES, GemmTiles
 BENCH = "geglu_variants"
 LAYOUTS = ("two", "halves", "pairs", "gelu")
 GELUS = ("tanh", "sigmoid")
-SHAPES = {"a": (64 * 968, 2048, 16384), "b": (64 * 560, 2048, 16384), "expert a": (64 * 50, 1024, 4096)}
-"""case -> (rows m, width k, GeGLU width f): the LM prefix at (a) / (b) batch 64, the expert's MLP at (a) batch 64."""
+SHAPES = {"a": (64 * 968, 2048, 16384), "b": (64 * 560, 2048, 16384), "a batch 1": (968, 2048, 16384),
+          "expert a": (64 * 50, 1024, 4096), "expert batch 32": (32 * 50, 1024, 4096),
+          "expert batch 1": (50, 1024, 4096)}  # fmt: skip
+"""case -> (rows m, width k, GeGLU width f): the LM prefix at (a) / (b) batch 64 and (a) batch 1, the expert's MLP
+(50 actions a sample) at batch 64, 32 and 1."""
 GELU_SHAPES = {"vision fc1 a": (64 * 3 * 256, 1152, 4304)}
 """case -> (rows m, width k, fc1 width f): SigLIP's fc1 at (a) batch 64 (3 cameras x 256 patches a sample)."""
 
@@ -91,16 +95,15 @@ def _tiles(**changes: int) -> GemmTiles:
 
 
 VARIANTS = (
-    Variant("two"), Variant("two", gelu="sigmoid"), Variant("two", True), Variant("two", True, gelu="sigmoid"),
-    Variant("two", True, _tiles(num_stages=3)), Variant("two", True, _tiles(group_m=8)),
-    Variant("halves"), Variant("halves", tiles=_tiles(num_stages=3)), Variant("halves", True),
-    Variant("halves", True, _tiles(num_stages=3)), Variant("pairs"), Variant("pairs", tiles=_tiles(num_stages=3)),
-    Variant("pairs", True), Variant("pairs", True, _tiles(num_stages=3)), Variant("pairs", True, _tiles(group_m=8)),
-    Variant("pairs", True, gelu="sigmoid"), Variant("pairs", tiles=_tiles(block_n=64, num_stages=5)),
+    Variant("two", tiles=_tiles(num_stages=4)), Variant("halves", True, _tiles(group_m=8)),
+    Variant("halves", True, _tiles(group_m=32)), Variant("halves", True, gelu="sigmoid"),
+    Variant("halves", True, _tiles(num_stages=2)), Variant("halves", True, _tiles(num_stages=4)),
+    Variant("halves", True, _tiles(block_k=32, num_stages=6)),
+    Variant("halves", True, _tiles(block_k=128, num_stages=2)), Variant("pairs", True),
 )  # fmt: skip
-"""The sweep: each idea alone and together, at the shipped geometry and one stage fewer (epilogue headroom).
-``Variant("two")`` is the shipped schedule in this kernel (its tile loop costs it the shipped kernel's reuse of the
-pipeline's shared memory for the epilogue), the baseline the others' gains are read against."""
+"""The sweep around the shipped schedule (``halves``, persistent, 128 x 128 x 64, group 16, 3 stages: the shipped row):
+group size, stages, K step, the sigmoid GELU and the ``pairs`` layout, and the previous shipped schedule (``two``, one
+tile a program, 4 stages) for reference."""
 GELU_VARIANTS = (
     Variant("gelu"), Variant("gelu", gelu="sigmoid"), Variant("gelu", tiles=_tiles(num_stages=3)),
     Variant("gelu", True), Variant("gelu", True, gelu="sigmoid"),
@@ -210,11 +213,9 @@ def interleave(gate: torch.Tensor, up: torch.Tensor, layout: str, block_n: int) 
         >>> interleave(g, u, "pairs", 2)[:, 0].tolist(), interleave(g, u, "halves", 2)[:, 0].tolist()
         ([0.0, 1.0, 0.0, 1.0, 0.0, 1.0, 0.0, 1.0], [0.0, 0.0, 1.0, 1.0, 0.0, 0.0, 1.0, 1.0])
     """
-    f, k = gate.shape
     if layout == "pairs":
-        return torch.stack([gate, up], dim=1).reshape(2 * f, k)
-    blocks = (f // block_n, block_n, k)
-    return torch.stack([gate.view(blocks), up.view(blocks)], dim=1).reshape(2 * f, k)
+        return torch.stack([gate, up], dim=1).flatten(0, 1)
+    return geglu_gemm.stack_gate_up(gate, up, block_n)
 
 
 def variant_linear(x: torch.Tensor, gate: torch.Tensor, up: torch.Tensor, w: torch.Tensor | None, v: Variant,
@@ -345,8 +346,11 @@ def _shape_rows(
     sweep.add("cuBLAS [gate; up] one GEMM", lambda: F.linear(x, stacked), None)
     sweep.add("cuBLAS gate, up + geglu kernel", lambda: kernels.geglu(F.linear(x, gate), F.linear(x, up)),
               lambda: kernels.geglu(F.linear(head, gate), F.linear(head, up)))  # fmt: skip
-    sweep.add("shipped geglu_linear", lambda: geglu_gemm.geglu_linear(x, gate, up),
-              lambda: geglu_gemm.geglu_linear(head, gate, up), asdict(geglu_gemm.DEFAULT_TILES))  # fmt: skip
+    sweep.add("cuBLAS [gate; up] + geglu kernel", lambda: kernels.geglu(*F.linear(x, stacked).chunk(2, dim=-1)),
+              lambda: kernels.geglu(*F.linear(head, stacked).chunk(2, dim=-1)))  # fmt: skip
+    shipped = geglu_gemm.stack_gate_up(gate, up)
+    sweep.add("shipped geglu_linear", lambda: geglu_gemm.geglu_linear(x, shipped),
+              lambda: geglu_gemm.geglu_linear(head, shipped), asdict(geglu_gemm.DEFAULT_TILES))  # fmt: skip
     for v in variants:
         w = None if v.layout == "two" else interleave(gate, up, v.layout, v.tiles.block_n)
         sweep.add(v.name, lambda v=v, w=w: variant_linear(x, gate, up, w, v, programs),

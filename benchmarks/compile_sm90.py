@@ -69,11 +69,10 @@ def _facts(kernel) -> dict[str, Any]:
 def shipped(k: int, tiles: geglu_gemm.GemmTiles = geglu_gemm.DEFAULT_TILES) -> dict[str, Any]:
     """The facts of `geglu_gemm._geglu_gemm_kernel` at width `k` and `tiles`."""
     t = tiles
-    weight = _desc([t.block_n, t.block_k])
-    signature = {"x_desc": _desc([t.block_m, t.block_k]), "g_desc": weight, "u_desc": weight,
-                 "o_desc": _desc([t.block_m, t.block_n]), "m": "i32", "n": "i32"}  # fmt: skip
+    signature = {"x_desc": _desc([t.block_m, t.block_k]), "w_desc": _desc([2 * t.block_n, t.block_k]),
+                 "o_desc": _desc([t.block_m, t.block_n]), "m": "i32", "n": "i32", "programs": "i32"}  # fmt: skip
     constexprs = {"K": k, "BLOCK_M": t.block_m, "BLOCK_N": t.block_n, "BLOCK_K": t.block_k, "GROUP_M": t.group_m,
-                  "NUM_STAGES": t.num_stages, "INTERPRET": False}  # fmt: skip
+                  "INTERPRET": False}  # fmt: skip
     return _facts(_compile(geglu_gemm._geglu_gemm_kernel, signature, constexprs, t))
 
 

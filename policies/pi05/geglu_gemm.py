@@ -2,22 +2,29 @@
 
 The unfused path runs two cuBLAS GEMMs that write the (M, F) gate and up activations in bf16 and a GeGLU kernel that
 reads both back and writes their product: at case (a) batch 64 (M = 62k prefix tokens, F = 16384) that is 6 GB of
-traffic a layer beyond the GEMMs. Here one program computes an output tile's gate and up accumulators from the same
-x tile (two MMAs a K step, float32 accumulation), applies the GeGLU to the float32 accumulators and writes only the
-product: the activations never reach memory. Operands are loaded by TMA (host tensor descriptors, zero padding at the
-ragged M edge); program ids are grouped along M so that a group's x tiles and weight tiles stay in L2.
+traffic a layer beyond the GEMMs. Here the activations never reach memory:
+
+- The weight is one (2F, K) stack, gate and up rows in alternating blocks of `block_n` (`stack_gate_up`), so that an
+  output tile's gate and up columns are one 2 `block_n`-wide MMA a K step over the same x tile (float32
+  accumulation), split in registers after the last step.
+- The GeGLU runs on the float32 accumulators and only the product is written.
+- One program per SM walks the output tiles (grouped along M so that a group's x and weight tiles stay in L2), its
+  loop nest flattened so that the next tile's TMA loads are issued while this tile finishes and runs its epilogue.
+- Operands are loaded by TMA (host tensor descriptors, zero padding at the ragged M edge).
 
 Rounding: one rounding, of the product (the unfused path also rounds gate and up to bf16 first), so it is at least
 as close to a float32 model as the unfused path and not bitwise equal to it.
 
-Where it runs: CUDA sm90+ half tensors outside autograd, x (M, K) row-major with K a multiple of 16, weights
-(F, K) contiguous (`serves`); under ``TRITON_INTERPRET=1`` also CPU half tensors (the CPU tests).
+Where it runs: CUDA sm90+ half tensors outside autograd, x (..., K) contiguous with K a multiple of 16, the stack
+contiguous (`serves`); under ``TRITON_INTERPRET=1`` also CPU half tensors (the CPU tests). Elsewhere one GEMM over the
+stack and `kernels.geglu` compute the same formula.
 
 Example:
     >>> import torch
-    >>> x, wg, wu = torch.randn(4, 16), torch.randn(8, 16), torch.randn(8, 16)
-    >>> tuple(reference(x, wg, wu).shape)
-    (4, 8)
+    >>> x, wg, wu = torch.randn(4, 16), torch.randn(256, 16), torch.randn(256, 16)
+    >>> out = geglu_linear(x, stack_gate_up(wg, wu))
+    >>> torch.allclose(out, reference(x, wg, wu), atol=1e-4)
+    True
 """
 
 from __future__ import annotations
@@ -32,7 +39,9 @@ from . import kernels
 
 @dataclass(frozen=True)
 class GemmTiles:
-    """Launch geometry: output rows and columns per program, K per step, programs per M group, warps, stages.
+    """Launch geometry: output rows and columns per tile, K per step, tiles per M group, warps, pipeline stages.
+
+    `block_n` is also the block of the weight stack (`stack_gate_up`): read a stack with tiles of its block.
 
     Example:
         >>> GemmTiles().block_n
@@ -42,12 +51,12 @@ class GemmTiles:
     block_m: int = 128
     block_n: int = 128
     block_k: int = 64
-    group_m: int = 8
+    group_m: int = 16
     num_warps: int = 8
     num_stages: int = 3
 
 
-DEFAULT_TILES = GemmTiles(group_m=16, num_stages=4)
+DEFAULT_TILES = GemmTiles()
 
 
 if kernels.HAS_TRITON:  # pragma: no cover - needs a CUDA GPU or the interpreter
@@ -64,72 +73,133 @@ if kernels.HAS_TRITON:  # pragma: no cover - needs a CUDA GPU or the interpreter
         return (first_m + (tile % per_group) % rows) * BLOCK_M, ((tile % per_group) // rows) * BLOCK_N
 
     @triton.jit
-    def _geglu_gemm_kernel(
-        x_desc, g_desc, u_desc, o_desc, m, n,
+    def _geglu_tile(
+        x_desc, w_desc, o_desc, tile, tile_c, grid_m, grid_n,
         K: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,  # noqa: N803
-        GROUP_M: tl.constexpr,  # noqa: N803
-        NUM_STAGES: tl.constexpr, INTERPRET: tl.constexpr,  # noqa: N803
+        GROUP_M: tl.constexpr, INTERPRET: tl.constexpr,  # noqa: N803
     ):  # fmt: skip
-        grid_m, grid_n = tl.cdiv(m, BLOCK_M), tl.cdiv(n, BLOCK_N)
-        off_m, off_n = tile_origin(tl.program_id(0), grid_m, grid_n, GROUP_M, BLOCK_M, BLOCK_N)
-        acc_g = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-        acc_u = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-        for step in tl.range(0, tl.cdiv(K, BLOCK_K), num_stages=NUM_STAGES):  # K: the model width, a constant
-            off_k = step * BLOCK_K
-            x, g, u = x_desc.load([off_m, off_k]), g_desc.load([off_n, off_k]), u_desc.load([off_n, off_k])
+        # Loads for tile `tile`, the store for `tile_c` (the same tile: the flattened loop's copy of the index, as in
+        # Triton's persistent matmul, since its loads run a tile ahead of its epilogue).
+        off_m, off_n = tile_origin(tile, grid_m, grid_n, GROUP_M, BLOCK_M, BLOCK_N)
+        off_cm, off_cn = tile_origin(tile_c, grid_m, grid_n, GROUP_M, BLOCK_M, BLOCK_N)
+        acc = tl.zeros((BLOCK_M, 2 * BLOCK_N), dtype=tl.float32)  # columns [gate block | up block]
+        for step in range(tl.cdiv(K, BLOCK_K)):
+            x, w = x_desc.load([off_m, step * BLOCK_K]), w_desc.load([2 * off_n, step * BLOCK_K])
             if INTERPRET:  # the interpreter's tl.dot misreads bfloat16; half products are exact in float32
-                x, g, u = x.to(tl.float32), g.to(tl.float32), u.to(tl.float32)
-            acc_g = tl.dot(x, g.T, acc_g)
-            acc_u = tl.dot(x, u.T, acc_u)
-        o_desc.store([off_m, off_n], (kernels._gelu_tanh(acc_g) * acc_u).to(o_desc.dtype))
+                x, w = x.to(tl.float32), w.to(tl.float32)
+            acc = tl.dot(x, w.T, acc)
+        gate, up = tl.split(tl.permute(tl.reshape(acc, (BLOCK_M, 2, BLOCK_N)), (0, 2, 1)))
+        o_desc.store([off_cm, off_cn], (kernels._gelu_tanh(gate) * up).to(o_desc.dtype))
+
+    @triton.jit
+    def _geglu_gemm_kernel(
+        x_desc, w_desc, o_desc, m, n, programs,
+        K: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,  # noqa: N803
+        GROUP_M: tl.constexpr, INTERPRET: tl.constexpr,  # noqa: N803
+    ):  # fmt: skip
+        # Tiles program_id, + programs, ...: one program per SM, one flattened loop over its tiles and their K steps.
+        grid_m, grid_n = tl.cdiv(m, BLOCK_M), tl.cdiv(n, BLOCK_N)
+        if INTERPRET:  # the interpreter runs no `for` over a runtime bound
+            tile = tl.program_id(0)
+            while tile < grid_m * grid_n:
+                _geglu_tile(x_desc, w_desc, o_desc, tile, tile, grid_m, grid_n, K, BLOCK_M, BLOCK_N, BLOCK_K,
+                            GROUP_M, INTERPRET)  # fmt: skip
+                tile += programs
+        else:
+            tile_c = tl.program_id(0) - programs
+            for tile in tl.range(tl.program_id(0), grid_m * grid_n, programs, flatten=True):
+                tile_c += programs
+                _geglu_tile(x_desc, w_desc, o_desc, tile, tile_c, grid_m, grid_n, K, BLOCK_M, BLOCK_N, BLOCK_K,
+                            GROUP_M, INTERPRET)  # fmt: skip
 
 
-def serves(x: torch.Tensor, gate_w: torch.Tensor, up_w: torch.Tensor) -> bool:
-    """Whether `geglu_linear` runs this call: CUDA sm90+ (or the interpreter) half operands, no autograd, row-major."""
+def stack_block(features: int, block_n: int = DEFAULT_TILES.block_n) -> int:
+    """Rows per gate (and up) block of a stack of `features` rows.
+
+    `block_n` where it divides them, else all of them: the plain [gate; up] stack, which one GEMM and `kernels.geglu`
+    compute.
+    """
+    return block_n if features % block_n == 0 else features
+
+
+def stack_gate_up(gate_w: torch.Tensor, up_w: torch.Tensor, block_n: int = DEFAULT_TILES.block_n) -> torch.Tensor:
+    """The (2F, K) weight `geglu_linear` reads: gate and up rows in alternating blocks.
+
+    Gate rows [j, j + b), then the same up rows, for each block j of b = `stack_block(F, block_n)` rows.
+    Differentiable; without autograd a derived copy, like the fused q/k/v buffers (refresh it in place through
+    `stack_parts`).
+
+    Example:
+        >>> g, u = torch.zeros(4, 2), torch.ones(4, 2)
+        >>> stack_gate_up(g, u, block_n=2)[:, 0].tolist(), stack_gate_up(g, u, block_n=3)[:, 0].tolist()
+        ([0.0, 0.0, 1.0, 1.0, 0.0, 0.0, 1.0, 1.0], [0.0, 0.0, 0.0, 0.0, 1.0, 1.0, 1.0, 1.0])
+    """
+    if gate_w.shape != up_w.shape or gate_w.dim() != 2:
+        raise ValueError(
+            f"stack_gate_up(gate_w, up_w): expected two (F, K) weights of one shape, got {tuple(gate_w.shape)} and "
+            f"{tuple(up_w.shape)}; pass a layer's gate_proj.weight and up_proj.weight."
+        )
+    f, k = gate_w.shape
+    b = stack_block(f, block_n)
+    return torch.stack([gate_w.view(f // b, b, k), up_w.view(f // b, b, k)], dim=1).view(2 * f, k)
+
+
+def stack_parts(stack: torch.Tensor, block_n: int = DEFAULT_TILES.block_n) -> tuple[torch.Tensor, torch.Tensor]:
+    """The gate and up rows of a `stack_gate_up` stack as (F / b, b, K) views, b its block (copy weights into them).
+
+    Example:
+        >>> gate, up = stack_parts(torch.arange(8.0).view(8, 1), block_n=2)
+        >>> gate.flatten().tolist(), up.flatten().tolist()
+        ([0.0, 1.0, 4.0, 5.0], [2.0, 3.0, 6.0, 7.0])
+    """
+    f = stack.shape[0] // 2
+    blocks = stack.view(-1, 2, stack_block(f, block_n), stack.shape[1])
+    return blocks[:, 0], blocks[:, 1]
+
+
+def serves(x: torch.Tensor, stack: torch.Tensor, tiles: GemmTiles = DEFAULT_TILES) -> bool:
+    """Whether `geglu_linear` runs the kernel: CUDA sm90+ (or the interpreter) half operands, no autograd, row-major."""
     if not kernels.triton_serves(x) or x.dim() < 2:
         return False
     if x.device.type == "cuda" and torch.cuda.get_device_capability(x.device)[0] < 9:
         return False
-    needs_grad = torch.is_grad_enabled() and (x.requires_grad or gate_w.requires_grad or up_w.requires_grad)
     k = x.shape[-1]
     return (
-        not needs_grad
-        and gate_w.shape == up_w.shape
-        and gate_w.shape[1] == k
+        not (torch.is_grad_enabled() and (x.requires_grad or stack.requires_grad))
+        and stack.shape[1] == k
         and k % 16 == 0
-        and gate_w.shape[0] % 8 == 0
-        and x.dtype == gate_w.dtype == up_w.dtype
+        and stack.shape[0] % (2 * tiles.block_n) == 0
+        and x.dtype == stack.dtype
         and x.is_contiguous()
-        and gate_w.is_contiguous()
-        and up_w.is_contiguous()
+        and stack.is_contiguous()
     )
 
 
-def geglu_linear(
-    x: torch.Tensor, gate_w: torch.Tensor, up_w: torch.Tensor, tiles: GemmTiles = DEFAULT_TILES
-) -> torch.Tensor:
-    """gelu_tanh(x gate_w^T) * (x up_w^T): (..., K) -> (..., F) in x's dtype.
+def geglu_linear(x: torch.Tensor, stack: torch.Tensor, tiles: GemmTiles = DEFAULT_TILES) -> torch.Tensor:
+    """gelu_tanh(x gate_w^T) * (x up_w^T): (..., K) -> (..., F) in x's dtype, from `stack_gate_up(gate_w, up_w)`.
 
-    One kernel where `serves`, else the two GEMMs and `kernels.geglu`. `tiles`: the benchmarks' override of the
-    launch geometry.
+    One kernel where `serves`, else one GEMM over the stack and `kernels.geglu`. `tiles`: the launch geometry, whose
+    `block_n` must be the stack's.
     """
-    if not serves(x, gate_w, up_w):
-        return kernels.geglu(F.linear(x, gate_w), F.linear(x, up_w))
-    k = x.shape[-1]
+    bm, bn, bk = tiles.block_m, tiles.block_n, tiles.block_k
+    k, n = x.shape[-1], stack.shape[0] // 2
+    if not serves(x, stack, tiles):
+        y = F.linear(x, stack).unflatten(-1, (-1, 2, stack_block(n, bn)))
+        return kernels.geglu(y[..., 0, :], y[..., 1, :]).flatten(-2)
     rows = x.reshape(-1, k)
-    m, n = rows.shape[0], gate_w.shape[0]
+    m = rows.shape[0]
     out = torch.empty(m, n, dtype=x.dtype, device=x.device)
     if m == 0:
         return out.view(*x.shape[:-1], n)
-    bm, bn, bk = tiles.block_m, tiles.block_n, tiles.block_k
     x_desc = TensorDescriptor.from_tensor(rows, [bm, bk])
-    g_desc = TensorDescriptor.from_tensor(gate_w, [bn, bk])
-    u_desc = TensorDescriptor.from_tensor(up_w, [bn, bk])
+    w_desc = TensorDescriptor.from_tensor(stack, [2 * bn, bk])
     o_desc = TensorDescriptor.from_tensor(out, [bm, bn])
-    grid = (triton.cdiv(m, bm) * triton.cdiv(n, bn),)
-    _geglu_gemm_kernel[grid](x_desc, g_desc, u_desc, o_desc, m, n, K=k, BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk,
-                             GROUP_M=tiles.group_m, NUM_STAGES=tiles.num_stages, INTERPRET=kernels.INTERPRETED,
-                             num_warps=tiles.num_warps)  # fmt: skip
+    tiles_total = triton.cdiv(m, bm) * triton.cdiv(n, bn)
+    sms = torch.cuda.get_device_properties(x.device).multi_processor_count if x.is_cuda else 4
+    programs = min(sms, tiles_total)
+    _geglu_gemm_kernel[(programs,)](x_desc, w_desc, o_desc, m, n, programs, K=k, BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk,
+                                    GROUP_M=tiles.group_m, INTERPRET=kernels.INTERPRETED, num_warps=tiles.num_warps,
+                                    num_stages=tiles.num_stages)  # fmt: skip
     return out.view(*x.shape[:-1], n)
 
 

@@ -31,7 +31,7 @@ from .attention import (
     valid_first_rows,
 )
 from .config import Pi05Config
-from .gemma import AdaRMSNorm, GemmaStack, Modulation, RMSNorm, rope_cos_sin, upcast, upcast_dtype
+from .gemma import AdaRMSNorm, GemmaMLP, GemmaStack, Modulation, RMSNorm, rope_cos_sin, upcast, upcast_dtype
 from .heads import NoiseHead, ValueHead
 from .siglip import SiglipVisionTower
 
@@ -116,7 +116,7 @@ class Pi05Model(nn.Module):
         if cfg.noise_head:
             self.noise_head = NoiseHead(cfg.expert.width, cfg.noise_hidden, cfg.action_dim, cfg.noise_std_range)
         self.fused_expert: list[tuple[torch.Tensor, torch.Tensor]] | None = None
-        self.fused_prefix: list[torch.Tensor] | None = None  # the LM's [q;k;v] per layer
+        self.fused_prefix: list[tuple[torch.Tensor, torch.Tensor]] | None = None  # as fused_expert, for the LM
         self.fused_vision: list[tuple[torch.Tensor, torch.Tensor]] | None = None  # SigLIP's [q;k;v] weight, bias
         self.attention_config = attention or AttentionConfig()
         self.plan: AttentionPlan = self.attention_config.resolve(torch.device("cpu"), torch.float32)
@@ -168,15 +168,17 @@ class Pi05Model(nn.Module):
         return self.plan
 
     def build_fused_weights(self) -> None:
-        """One buffer each for the [q;k;v] weights of every layer (expert, LM, SigLIP) and every expert [gate;up].
+        """Fused weight buffers: [q;k;v] of every layer (expert, LM, SigLIP), the gate/up stack of every Gemma layer.
 
-        They serve the no-grad rollout path: three GEMMs become one (and in the expert RoPE runs once for q and k), per
-        layer. The buffers are a copy derived from the weights, like the modulation tables: a weight commit (and
-        `load_weights`) refreshes them with `refresh_fused_weights()`; after any other in-place change of the weights
-        (an optimizer step on a model that also rolls out) call `Pi05Scheduler.refresh_tables()`. Building again (a
-        second scheduler on the same model) refreshes instead of replacing, since graphs captured by the first read this
-        storage. Call it before capturing graphs. The LM's [gate;up] is not fused: at 134 MB a layer the copy would cost
-        2.4 GB for GEMMs that already run near cuBLAS's peak at the prefix's M.
+        The stacks are `geglu_gemm.stack_gate_up`'s layout, for the expert and the LM.
+
+        They serve the no-grad rollout path: three GEMMs become one (and in the expert RoPE runs once for q and k), and
+        gate, up and GeGLU one kernel, per layer. The buffers are a copy derived from the weights, like the modulation
+        tables: a weight commit (and `load_weights`) refreshes them with `refresh_fused_weights()`; after any other
+        in-place change of the weights (an optimizer step on a model that also rolls out) call
+        `Pi05Scheduler.refresh_tables()`. Building again (a second scheduler on the same model) refreshes instead of
+        replacing, since graphs captured by the first read this storage. Call it before capturing graphs. The LM's
+        stacks cost 134 MB a layer (2.4 GB at full size).
         """
         if self.fused_expert is not None:  # shared by every scheduler of this model: captured graphs hold them
             self.refresh_fused_weights()
@@ -185,7 +187,9 @@ class Pi05Model(nn.Module):
             self.fused_expert = [
                 (layer.self_attn.fused_weight(), layer.mlp.fused_weight()) for layer in self.expert.layers
             ]
-            self.fused_prefix = [layer.self_attn.fused_weight() for layer in self.llm.layers]
+            self.fused_prefix = [
+                (layer.self_attn.fused_weight(), layer.mlp.fused_weight()) for layer in self.llm.layers
+            ]
             self.fused_vision = [layer.self_attn.fused_weight() for layer in self.vision.encoder.layers]
 
     def _fused_usable(self, dtype: torch.dtype) -> bool:
@@ -210,11 +214,12 @@ class Pi05Model(nn.Module):
             return
         stacks = {"expert", "llm", "vision"} if names is None else {n.split(".", 1)[0] for n in names}
         pairs: list[tuple[torch.Tensor, list[torch.Tensor]]] = []  # (buffer, the parameters it stacks)
-        if "expert" in stacks:
-            for (qkv, mlp), layer in zip(self.fused_expert, self.expert.layers):
-                pairs += [(qkv, layer.self_attn.fused_parts()), (mlp, layer.mlp.fused_parts())]
-        if "llm" in stacks:
-            pairs += [(qkv, layer.self_attn.fused_parts()) for qkv, layer in zip(self.fused_prefix, self.llm.layers)]
+        mlps: list[tuple[torch.Tensor, GemmaMLP]] = []  # (gate/up stack, its layer's MLP)
+        for name, fused, stack in (("expert", self.fused_expert, self.expert), ("llm", self.fused_prefix, self.llm)):
+            if name in stacks:
+                for (qkv, mlp), layer in zip(fused, stack.layers):
+                    pairs.append((qkv, layer.self_attn.fused_parts()))
+                    mlps.append((mlp, layer.mlp))
         if "vision" in stacks:
             for buffers, layer in zip(self.fused_vision, self.vision.encoder.layers):
                 pairs += zip(buffers, layer.self_attn.fused_parts())
@@ -223,6 +228,10 @@ class Pi05Model(nn.Module):
         for buf, parts in pairs:
             rows += buf.split([w.shape[0] for w in parts])
             weights += parts
+        for buf, mlp in mlps:  # gate and up blocks alternate in the stack
+            gate, up = geglu_gemm.stack_parts(buf)
+            rows += [gate, up]
+            weights += [mlp.gate_proj.weight.view(gate.shape), mlp.up_proj.weight.view(up.shape)]
         if rows:
             with torch.no_grad():
                 torch._foreach_copy_(rows, weights)
@@ -344,8 +353,9 @@ class Pi05Model(nn.Module):
                 k_dst = torch.empty(b, nkv, t, hd, dtype=emb.dtype, device=emb.device)
                 v_dst = torch.empty_like(k_dst)
             q = torch.empty(b, t, n, hd, dtype=emb.dtype, device=emb.device) if need_q else None
-            if fused is not None:  # one GEMM: [q;k;v], or the [k;v] rows when q is not needed
-                y = F.linear(h, fused[i] if need_q else fused[i][n * hd :]).view(b, t, -1, hd)
+            qkv_w, mlp_w = fused[i] if fused is not None else (None, None)
+            if qkv_w is not None:  # one GEMM: [q;k;v], or the [k;v] rows when q is not needed
+                y = F.linear(h, qkv_w if need_q else qkv_w[n * hd :]).view(b, t, -1, hd)
                 q_src, k_src, v_src = y[:, :, :n] if need_q else None, y[:, :, -2 * nkv : -nkv], y[:, :, -nkv:]
             else:
                 q_src = attn.q_proj(h).view(b, t, n, hd) if need_q else None
@@ -357,8 +367,7 @@ class Pi05Model(nn.Module):
                 break
             o = attn.out(attend(q.transpose(1, 2), k_dst, v_dst, mask, scale, self.plan.prefix, key_lengths))
             x, h = kernels.add_norm(x, o, layer.post_attention_layernorm.weight, cfg.eps, add_one=True)
-            mlp = layer.mlp  # gate, up and GeGLU as one GEMM where it serves (`geglu_gemm`)
-            delta = mlp.down_proj(geglu_gemm.geglu_linear(h, mlp.gate_proj.weight, mlp.up_proj.weight))
+            delta = layer.mlp(h, mlp_w)  # with the stack: gate, up and GeGLU as one GEMM (`geglu_gemm`)
         output = None
         if need_output:
             _, output = kernels.add_norm(x, delta, self.llm.norm.weight, cfg.eps, add_one=True, store_residual=False)

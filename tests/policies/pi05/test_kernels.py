@@ -443,32 +443,58 @@ def test_tiny_bf16_policy_with_the_expert_kernel_matches_gemm():
 
 
 @interpreted
-@pytest.mark.parametrize("tiles", [(32, 32, 16, 2, 4, 2), (16, 64, 32, 1, 4, 3)])
+@pytest.mark.parametrize("tiles", [(32, 32, 16, 2, 4, 2), (16, 16, 32, 1, 4, 3)])
 def test_geglu_gemm_matches_float32_formula(tiles):
     """Rows not a multiple of the row block (the descriptors' zero padding and clipped stores), a leading batch
-    dimension, several programs per M group: within one bfloat16 ulp of the float32 formula (one rounding)."""
+    dimension, several programs per M group and more tiles than programs (each program walks several): within one
+    bfloat16 ulp of the float32 formula (one rounding)."""
     from policies.pi05 import geglu_gemm
 
     g = torch.Generator().manual_seed(4)
     x = torch.randn(3, 37, 64, generator=g).bfloat16()
     gate_w, up_w = ((torch.randn(96, 64, generator=g) * 0.2).bfloat16() for _ in range(2))
+    spec = geglu_gemm.GemmTiles(*tiles)
+    stack = geglu_gemm.stack_gate_up(gate_w, up_w, spec.block_n)
     with torch.no_grad():
-        assert geglu_gemm.serves(x, gate_w, up_w)
-        out = geglu_gemm.geglu_linear(x, gate_w, up_w, geglu_gemm.GemmTiles(*tiles))
+        assert geglu_gemm.serves(x, stack, spec)
+        out = geglu_gemm.geglu_linear(x, stack, spec)
     assert out.shape == (3, 37, 96) and out.dtype == torch.bfloat16
     assert near(out, geglu_gemm.reference(x, gate_w, up_w), ulps=1)
 
 
 @interpreted
-def test_geglu_gemm_hands_other_calls_to_the_two_gemms():
-    """Autograd and a transposed weight are not served: the unfused GEMMs + `kernels.geglu` compute them."""
+def test_geglu_gemm_hands_other_calls_to_one_gemm_over_the_stack():
+    """Autograd, float32 and a stack whose rows are no multiple of the tile are not served: one GEMM over the stack
+    and `kernels.geglu` compute the same formula, with gradients."""
     from policies.pi05 import geglu_gemm
 
     g = torch.Generator().manual_seed(5)
-    x = torch.randn(5, 32, generator=g)
+    x = torch.randn(5, 32, generator=g, requires_grad=True)
     gate_w, up_w = torch.randn(16, 32, generator=g), torch.randn(16, 32, generator=g)
     want = torch.nn.functional.gelu(x @ gate_w.T, approximate="tanh") * (x @ up_w.T)
-    assert not geglu_gemm.serves(x, gate_w, up_w)  # float32
-    xb, wt = x.bfloat16(), gate_w.bfloat16().T.contiguous().T
-    assert not geglu_gemm.serves(xb, wt, up_w.bfloat16())  # a transposed view
-    assert torch.allclose(geglu_gemm.geglu_linear(x, gate_w, up_w), want, atol=1e-5)
+    stack = geglu_gemm.stack_gate_up(gate_w, up_w, 8)
+    small = geglu_gemm.GemmTiles(16, 8, 16, 1, 4, 2)
+    with torch.no_grad():
+        assert not geglu_gemm.serves(x, stack, small)  # float32
+        assert not geglu_gemm.serves(x.bfloat16(), stack.bfloat16(), geglu_gemm.GemmTiles(16, 32, 16, 1, 4, 2))
+    out = geglu_gemm.geglu_linear(x, stack, small)
+    assert torch.allclose(out, want, atol=1e-5)
+    out.sum().backward()
+    assert x.grad is not None and x.grad.abs().sum() > 0
+
+
+def test_stack_gate_up_blocks_rows_and_names_mismatched_weights():
+    """Blocks of `block_n` rows where it divides F, else the plain [gate; up] stack (which `stack_parts` splits
+    back); two weights of different shapes are refused with both shapes named."""
+    from policies.pi05 import geglu_gemm
+
+    gate, up = torch.arange(24.0).view(12, 2), -torch.arange(24.0).view(12, 2)
+    stack = geglu_gemm.stack_gate_up(gate, up, block_n=4)
+    assert torch.equal(stack[4:8], up[:4]) and torch.equal(stack[8:12], gate[4:8])
+    assert torch.equal(geglu_gemm.stack_gate_up(gate, up, block_n=8), torch.cat([gate, up]))
+    for block_n in (4, 8):
+        parts = geglu_gemm.stack_parts(geglu_gemm.stack_gate_up(gate, up, block_n), block_n)
+        assert torch.equal(parts[0].reshape(12, 2), gate) and torch.equal(parts[1].reshape(12, 2), up)
+    with pytest.raises(ValueError, match=r"stack_gate_up\(gate_w, up_w\): expected two \(F, K\) weights of one "
+                       r"shape, got \(12, 2\) and \(8, 2\); pass a layer's gate_proj.weight and up_proj.weight"):
+        geglu_gemm.stack_gate_up(gate, up[:8])

@@ -388,14 +388,15 @@ def test_geglu_gemm_matches_float32_formula_and_replays_in_a_graph(rows):
     g = torch.Generator(device="cuda").manual_seed(0)
     x = torch.randn(rows, 2048, device="cuda", generator=g).bfloat16()
     gate_w, up_w = ((torch.randn(2048, 2048, device="cuda", generator=g) * 0.02).bfloat16() for _ in range(2))
+    stack = geglu_gemm.stack_gate_up(gate_w, up_w)
     with torch.no_grad():
-        assert geglu_gemm.serves(x, gate_w, up_w)
-        eager = geglu_gemm.geglu_linear(x, gate_w, up_w)
+        assert geglu_gemm.serves(x, stack)
+        eager = geglu_gemm.geglu_linear(x, stack)
         ref = geglu_gemm.reference(x, gate_w, up_w)
         assert (eager.float() - ref).abs().max() <= ref.abs().max() * 2**-7
         graph = torch.cuda.CUDAGraph()
         with torch.cuda.graph(graph):
-            static = geglu_gemm.geglu_linear(x, gate_w, up_w)
+            static = geglu_gemm.geglu_linear(x, stack)
         graph.replay()
         torch.cuda.synchronize()
     assert torch.equal(static, eager)

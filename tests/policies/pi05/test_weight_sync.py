@@ -15,6 +15,7 @@ import pytest
 import torch
 from helpers import StandInProcessor
 
+from policies.pi05 import geglu_gemm
 from policies.pi05.checkpoint import DEAD_KEYS, TIED_EMBEDDING, to_external_name
 from policies.pi05.config import Pi05Config
 from policies.pi05.inputs import ModelInputs
@@ -481,18 +482,19 @@ def test_updates_follow_parameter_changes() -> None:
 
 
 def fused_buffers(model: Pi05Model) -> list[torch.Tensor]:
-    return [t for group in (model.fused_expert, model.fused_vision) for pair in group for t in pair] + list(
-        model.fused_prefix
-    )
+    groups = (model.fused_expert, model.fused_prefix, model.fused_vision)
+    return [t for group in groups for pair in group for t in pair]
 
 
 def fused_matches(model: Pi05Model) -> bool:
-    expert = all(
-        torch.equal(qkv, layer.self_attn.fused_weight()) and torch.equal(mlp, layer.mlp.fused_weight())
-        for (qkv, mlp), layer in zip(model.fused_expert, model.expert.layers)
+    expert, prefix = (
+        all(
+            torch.equal(qkv, layer.self_attn.fused_weight())
+            and torch.equal(mlp, geglu_gemm.stack_gate_up(layer.mlp.gate_proj.weight, layer.mlp.up_proj.weight))
+            for (qkv, mlp), layer in zip(fused, stack.layers, strict=True)
+        )
+        for fused, stack in ((model.fused_expert, model.expert), (model.fused_prefix, model.llm))
     )
-    prefix = all(torch.equal(qkv, layer.self_attn.fused_weight()) for qkv, layer in zip(model.fused_prefix,
-                                                                                        model.llm.layers))  # fmt: skip
     vision = all(
         torch.equal(w, want_w) and torch.equal(b, want_b)
         for (w, b), (want_w, want_b) in zip(
@@ -522,6 +524,7 @@ def test_fused_buffers_are_a_copy_refreshed_at_commit_and_load(tmp_path) -> None
     load_weights(model, tmp_path)
     assert fused_matches(model)
     for weight in (model.expert.layers[1].mlp.up_proj.weight, model.llm.layers[0].self_attn.k_proj.weight,
+                   model.llm.layers[1].mlp.gate_proj.weight,
                    model.vision.encoder.layers[0].self_attn.v_proj.bias):  # fmt: skip
         with torch.no_grad():
             weight.mul_(2.0)  # an optimizer step on a model that also rolls out
@@ -538,10 +541,10 @@ def test_an_expert_commit_refreshes_the_expert_copies_only() -> None:
     model = policy.model
     fresh = make_model(seed=5)
     expert = {n: p for n, p in fresh.named_parameters() if n.startswith("expert.")}
-    before = [t.clone() for t in model.fused_prefix]
+    before = [t.clone() for pair in model.fused_prefix for t in pair]
     policy.sync_weights(expert, expected=list(expert))
     assert fused_matches(model)
-    assert all(torch.equal(a, b) for a, b in zip(model.fused_prefix, before))
+    assert all(torch.equal(a, b) for a, b in zip((t for pair in model.fused_prefix for t in pair), before, strict=True))
 
 
 def test_bf16_sync_refreshes_the_step_tables() -> None:

@@ -7,7 +7,8 @@ traffic a layer beyond the GEMMs. Here the activations never reach memory:
 - The weight is one (2F, K) stack, gate and up rows in alternating blocks of `block_n` (`stack_gate_up`), so that an
   output tile's gate and up columns are one 2 `block_n`-wide MMA a K step over the same x tile (float32
   accumulation), split in registers after the last step.
-- The GeGLU runs on the float32 accumulators and only the product is written.
+- The GeGLU runs on the float32 accumulators (the GELU as g sigmoid(2 z), the same function as 0.5 g (1 + tanh z) in
+  fewer instructions) and only the product is written.
 - One program per SM walks the output tiles (grouped along M so that a group's x and weight tiles stay in L2), its
   loop nest flattened so that the next tile's TMA loads are issued while this tile finishes and runs its epilogue.
 - Operands are loaded by TMA (host tensor descriptors, zero padding at the ragged M edge).
@@ -16,8 +17,8 @@ Rounding: one rounding, of the product (the unfused path also rounds gate and up
 as close to a float32 model as the unfused path and not bitwise equal to it.
 
 Where it runs: CUDA sm90+ half tensors outside autograd, x (..., K) contiguous with K a multiple of 16, the stack
-contiguous (`serves`); under ``TRITON_INTERPRET=1`` also CPU half tensors (the CPU tests). Elsewhere one GEMM over the
-stack and `kernels.geglu` compute the same formula.
+contiguous, at least `GemmTiles.min_waves` output tiles an SM (`serves`); under ``TRITON_INTERPRET=1`` also CPU half
+tensors (the CPU tests). Elsewhere one GEMM over the stack and `kernels.geglu` compute the same formula.
 
 Example:
     >>> import torch
@@ -54,6 +55,11 @@ class GemmTiles:
     group_m: int = 16
     num_warps: int = 8
     num_stages: int = 3
+    min_waves: int = 4
+    """The kernel serves calls of at least this many tiles a program (one program per SM). Below, one cuBLAS GEMM
+    over the stack and `kernels.geglu` are faster (`geglu_variants.jsonl` at 38b3eae: the expert's 32 tiles at batch
+    1 take 14.4 us against 8.0, its 3.2 tiles a program at batch 32 51.5 against 48.3, its 6.1 at batch 64 89.0
+    against 100.0)."""
 
 
 DEFAULT_TILES = GemmTiles()
@@ -73,6 +79,13 @@ if kernels.HAS_TRITON:  # pragma: no cover - needs a CUDA GPU or the interpreter
         return (first_m + (tile % per_group) % rows) * BLOCK_M, ((tile % per_group) // rows) * BLOCK_N
 
     @triton.jit
+    def _gelu(g):
+        # gelu_tanh(g) = 0.5 g (1 + tanh z) = g sigmoid(2 z), z = sqrt(2/pi) (g + 0.044715 g^3): one exp2 and one
+        # division (a third of the epilogue's instructions fewer than `kernels._gelu_tanh`). exp2 overflows to inf
+        # below g of about -11, where the quotient is -0, as gelu's.
+        return g / (1.0 + tl.exp2(g * (-2.302208198 - 0.1029432394 * g * g)))
+
+    @triton.jit
     def _geglu_tile(
         x_desc, w_desc, o_desc, tile, tile_c, grid_m, grid_n,
         K: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,  # noqa: N803
@@ -89,7 +102,7 @@ if kernels.HAS_TRITON:  # pragma: no cover - needs a CUDA GPU or the interpreter
                 x, w = x.to(tl.float32), w.to(tl.float32)
             acc = tl.dot(x, w.T, acc)
         gate, up = tl.split(tl.permute(tl.reshape(acc, (BLOCK_M, 2, BLOCK_N)), (0, 2, 1)))
-        o_desc.store([off_cm, off_cn], (kernels._gelu_tanh(gate) * up).to(o_desc.dtype))
+        o_desc.store([off_cm, off_cn], (_gelu(gate) * up).to(o_desc.dtype))
 
     @triton.jit
     def _geglu_gemm_kernel(
@@ -157,14 +170,22 @@ def stack_parts(stack: torch.Tensor, block_n: int = DEFAULT_TILES.block_n) -> tu
     return blocks[:, 0], blocks[:, 1]
 
 
+def _programs(x: torch.Tensor) -> int:
+    """The persistent grid: one program per SM (4 under the interpreter)."""
+    return torch.cuda.get_device_properties(x.device).multi_processor_count if x.is_cuda else 4
+
+
 def serves(x: torch.Tensor, stack: torch.Tensor, tiles: GemmTiles = DEFAULT_TILES) -> bool:
-    """Whether `geglu_linear` runs the kernel: CUDA sm90+ (or the interpreter) half operands, no autograd, row-major."""
+    """Whether `geglu_linear` runs the kernel.
+
+    CUDA sm90+ (or the interpreter) half operands, no autograd, row-major, at least `tiles.min_waves` tiles a program.
+    """
     if not kernels.triton_serves(x) or x.dim() < 2:
         return False
     if x.device.type == "cuda" and torch.cuda.get_device_capability(x.device)[0] < 9:
         return False
     k = x.shape[-1]
-    return (
+    if not (
         not (torch.is_grad_enabled() and (x.requires_grad or stack.requires_grad))
         and stack.shape[1] == k
         and k % 16 == 0
@@ -172,14 +193,18 @@ def serves(x: torch.Tensor, stack: torch.Tensor, tiles: GemmTiles = DEFAULT_TILE
         and x.dtype == stack.dtype
         and x.is_contiguous()
         and stack.is_contiguous()
-    )
+    ):
+        return False
+    rows = x.numel() // k
+    tile_count = -(-rows // tiles.block_m) * (stack.shape[0] // (2 * tiles.block_n))
+    return tile_count >= tiles.min_waves * _programs(x)
 
 
 def geglu_linear(x: torch.Tensor, stack: torch.Tensor, tiles: GemmTiles = DEFAULT_TILES) -> torch.Tensor:
     """gelu_tanh(x gate_w^T) * (x up_w^T): (..., K) -> (..., F) in x's dtype, from `stack_gate_up(gate_w, up_w)`.
 
     One kernel where `serves`, else one GEMM over the stack and `kernels.geglu`. `tiles`: the launch geometry, whose
-    `block_n` must be the stack's.
+    `block_n` must be the stack's, and the smallest call the kernel takes (`GemmTiles.min_waves`).
     """
     bm, bn, bk = tiles.block_m, tiles.block_n, tiles.block_k
     k, n = x.shape[-1], stack.shape[0] // 2
@@ -195,8 +220,7 @@ def geglu_linear(x: torch.Tensor, stack: torch.Tensor, tiles: GemmTiles = DEFAUL
     w_desc = TensorDescriptor.from_tensor(stack, [2 * bn, bk])
     o_desc = TensorDescriptor.from_tensor(out, [bm, bn])
     tiles_total = triton.cdiv(m, bm) * triton.cdiv(n, bn)
-    sms = torch.cuda.get_device_properties(x.device).multi_processor_count if x.is_cuda else 4
-    programs = min(sms, tiles_total)
+    programs = min(_programs(x), tiles_total)
     _geglu_gemm_kernel[(programs,)](x_desc, w_desc, o_desc, m, n, programs, K=k, BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk,
                                     GROUP_M=tiles.group_m, INTERPRET=kernels.INTERPRETED, num_warps=tiles.num_warps,
                                     num_stages=tiles.num_stages)  # fmt: skip

@@ -295,8 +295,9 @@ def geglu(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
             out = torch.empty(gate.shape, dtype=gate.dtype, device=gate.device)
             o = out.view(-1, gate.shape[-1])
             cols = g.shape[1]
-            grid = (g.shape[0], triton.cdiv(cols, _BLOCK))
-            _geglu_kernel[grid](g, u, o, cols, g.stride(0), u.stride(0), o.stride(0), BLOCK=_BLOCK, num_warps=4)
+            block = min(_BLOCK, triton.next_power_of_2(cols))  # rows of a `geglu_gemm` stack's GEMM are 128 wide
+            grid = (g.shape[0], triton.cdiv(cols, block))
+            _geglu_kernel[grid](g, u, o, cols, g.stride(0), u.stride(0), o.stride(0), BLOCK=block, num_warps=4)
             return out
     if gate.dtype in _HALF:  # float32 math, one rounding: what the kernel computes
         return (F.gelu(gate.float(), approximate="tanh") * up.float()).to(gate.dtype)

@@ -209,7 +209,7 @@ def test_gemm_attention_on_cuda_uses_float32_scores_and_matches_sdpa():
     assert err_gemm <= max(2 * err_sdpa, 1e-2), (err_gemm, err_sdpa)
 
 
-@pytest.mark.parametrize("cols", [4096, 4304, 16384])
+@pytest.mark.parametrize("cols", [128, 4096, 4304, 16384])
 def test_fused_geglu_matches_pytorch(cols, monkeypatch):
     pytest.importorskip("triton")
     from policies.pi05 import kernels

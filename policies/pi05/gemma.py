@@ -11,7 +11,6 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from . import geglu_gemm
 from .config import GemmaConfig
 from .kernels import geglu
 
@@ -170,20 +169,19 @@ class GemmaMLP(nn.Module):
         self.up_proj = nn.Linear(cfg.width, cfg.mlp_dim, bias=False)
         self.down_proj = nn.Linear(cfg.mlp_dim, cfg.width, bias=False)
 
-    def fused_weight(self) -> torch.Tensor:
-        """Gate and up rows in `geglu_gemm.stack_gate_up`'s blocks.
+    def fused_parts(self) -> list[torch.Tensor]:
+        """The weights `fused_weight` stacks, in its row order."""
+        return [self.gate_proj.weight, self.up_proj.weight]
 
-        Differentiable; without autograd a derived copy, refreshed after weight updates (`geglu_gemm.stack_parts`).
-        """
-        return geglu_gemm.stack_gate_up(self.gate_proj.weight, self.up_proj.weight)
+    def fused_weight(self) -> torch.Tensor:
+        """[gate; up] rows stacked (a derived copy, refreshed after weight updates)."""
+        return torch.cat(self.fused_parts(), dim=0)
 
     def forward(self, x: torch.Tensor, fused: torch.Tensor | None = None) -> torch.Tensor:
-        """(..., width) -> (..., width); `fused` = `fused_weight()`: gate, up and GeGLU as one GEMM.
-
-        That is `geglu_gemm.geglu_linear`: one Triton kernel where it serves, else one cuBLAS GEMM and the GeGLU kernel.
-        """
+        """(..., width) -> (..., width); `fused` = `fused_weight()` runs gate and up as one GEMM."""
         if fused is not None:
-            return self.down_proj(geglu_gemm.geglu_linear(x, fused))
+            gate, up = F.linear(x, fused).chunk(2, dim=-1)
+            return self.down_proj(geglu(gate, up))
         return self.down_proj(geglu(self.gate_proj(x), self.up_proj(x)))
 
 

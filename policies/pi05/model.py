@@ -168,17 +168,18 @@ class Pi05Model(nn.Module):
         return self.plan
 
     def build_fused_weights(self) -> None:
-        """Fused weight buffers: [q;k;v] of every layer (expert, LM, SigLIP), the gate/up stack of every Gemma layer.
+        """Fused weight buffers: [q;k;v] of every layer, [gate;up] of every expert layer and LM gate/up stacks.
 
-        The stacks are `geglu_gemm.stack_gate_up`'s layout, for the expert and the LM.
+        The LM's stacks are `geglu_gemm.stack_gate_up`'s blocks, for `geglu_gemm.geglu_linear` (134 MB a layer, 2.4 GB
+        at full size). The expert keeps the plain [gate;up]: at its 50 rows a sample one cuBLAS GEMM and the GeGLU
+        kernel ran its denoise loop faster at batch 32 and (b) batch 64 (`policy.jsonl` at 5084cec, 38b3eae, c92d794).
 
         They serve the no-grad rollout path: three GEMMs become one (and in the expert RoPE runs once for q and k), and
-        gate, up and GeGLU one kernel, per layer. The buffers are a copy derived from the weights, like the modulation
-        tables: a weight commit (and `load_weights`) refreshes them with `refresh_fused_weights()`; after any other
-        in-place change of the weights (an optimizer step on a model that also rolls out) call
+        in the LM gate, up and GeGLU one kernel, per layer. The buffers are a copy derived from the weights, like the
+        modulation tables: a weight commit (and `load_weights`) refreshes them with `refresh_fused_weights()`; after
+        any other in-place change of the weights (an optimizer step on a model that also rolls out) call
         `Pi05Scheduler.refresh_tables()`. Building again (a second scheduler on the same model) refreshes instead of
-        replacing, since graphs captured by the first read this storage. Call it before capturing graphs. The LM's
-        stacks cost 134 MB a layer (2.4 GB at full size).
+        replacing, since graphs captured by the first read this storage. Call it before capturing graphs.
         """
         if self.fused_expert is not None:  # shared by every scheduler of this model: captured graphs hold them
             self.refresh_fused_weights()
@@ -188,8 +189,10 @@ class Pi05Model(nn.Module):
                 (layer.self_attn.fused_weight(), layer.mlp.fused_weight()) for layer in self.expert.layers
             ]
             self.fused_prefix = [
-                (layer.self_attn.fused_weight(), layer.mlp.fused_weight()) for layer in self.llm.layers
-            ]
+                (layer.self_attn.fused_weight(), geglu_gemm.stack_gate_up(layer.mlp.gate_proj.weight,
+                                                                          layer.mlp.up_proj.weight))
+                for layer in self.llm.layers
+            ]  # fmt: skip
             self.fused_vision = [layer.self_attn.fused_weight() for layer in self.vision.encoder.layers]
 
     def _fused_usable(self, dtype: torch.dtype) -> bool:
@@ -214,12 +217,14 @@ class Pi05Model(nn.Module):
             return
         stacks = {"expert", "llm", "vision"} if names is None else {n.split(".", 1)[0] for n in names}
         pairs: list[tuple[torch.Tensor, list[torch.Tensor]]] = []  # (buffer, the parameters it stacks)
-        mlps: list[tuple[torch.Tensor, GemmaMLP]] = []  # (gate/up stack, its layer's MLP)
-        for name, fused, stack in (("expert", self.fused_expert, self.expert), ("llm", self.fused_prefix, self.llm)):
-            if name in stacks:
-                for (qkv, mlp), layer in zip(fused, stack.layers):
-                    pairs.append((qkv, layer.self_attn.fused_parts()))
-                    mlps.append((mlp, layer.mlp))
+        mlps: list[tuple[torch.Tensor, GemmaMLP]] = []  # (the LM's gate/up stack, its layer's MLP)
+        if "expert" in stacks:
+            for (qkv, mlp), layer in zip(self.fused_expert, self.expert.layers):
+                pairs += [(qkv, layer.self_attn.fused_parts()), (mlp, layer.mlp.fused_parts())]
+        if "llm" in stacks:
+            for (qkv, mlp), layer in zip(self.fused_prefix, self.llm.layers):
+                pairs.append((qkv, layer.self_attn.fused_parts()))
+                mlps.append((mlp, layer.mlp))
         if "vision" in stacks:
             for buffers, layer in zip(self.fused_vision, self.vision.encoder.layers):
                 pairs += zip(buffers, layer.self_attn.fused_parts())
@@ -367,7 +372,10 @@ class Pi05Model(nn.Module):
                 break
             o = attn.out(attend(q.transpose(1, 2), k_dst, v_dst, mask, scale, self.plan.prefix, key_lengths))
             x, h = kernels.add_norm(x, o, layer.post_attention_layernorm.weight, cfg.eps, add_one=True)
-            delta = layer.mlp(h, mlp_w)  # with the stack: gate, up and GeGLU as one GEMM (`geglu_gemm`)
+            if mlp_w is not None:  # gate, up and GeGLU as one GEMM where it serves (`geglu_gemm`)
+                delta = layer.mlp.down_proj(geglu_gemm.geglu_linear(h, mlp_w))
+            else:
+                delta = layer.mlp(h)
         output = None
         if need_output:
             _, output = kernels.add_norm(x, delta, self.llm.norm.weight, cfg.eps, add_one=True, store_residual=False)

@@ -487,13 +487,14 @@ def fused_buffers(model: Pi05Model) -> list[torch.Tensor]:
 
 
 def fused_matches(model: Pi05Model) -> bool:
-    expert, prefix = (
-        all(
-            torch.equal(qkv, layer.self_attn.fused_weight())
-            and torch.equal(mlp, geglu_gemm.stack_gate_up(layer.mlp.gate_proj.weight, layer.mlp.up_proj.weight))
-            for (qkv, mlp), layer in zip(fused, stack.layers, strict=True)
-        )
-        for fused, stack in ((model.fused_expert, model.expert), (model.fused_prefix, model.llm))
+    expert = all(
+        torch.equal(qkv, layer.self_attn.fused_weight()) and torch.equal(mlp, layer.mlp.fused_weight())
+        for (qkv, mlp), layer in zip(model.fused_expert, model.expert.layers, strict=True)
+    )
+    prefix = all(
+        torch.equal(qkv, layer.self_attn.fused_weight())
+        and torch.equal(mlp, geglu_gemm.stack_gate_up(layer.mlp.gate_proj.weight, layer.mlp.up_proj.weight))
+        for (qkv, mlp), layer in zip(model.fused_prefix, model.llm.layers, strict=True)
     )
     vision = all(
         torch.equal(w, want_w) and torch.equal(b, want_b)

@@ -74,7 +74,7 @@ class Variant:
     tiles: GemmTiles = DEFAULT_TILES
     gelu: str = "tanh"
     """The epilogue's GELU: "tanh", the shipped 0.5 g (1 + tanh z) (`kernels._gelu_tanh`), or "sigmoid", the same
-    function as g sigmoid(2 z): one exp2, one division and no tanh assembly (`_gelu_sigmoid`)."""
+    function as g sigmoid(2 z): one exp2, one division and no tanh assembly (`geglu_gemm.gelu_sigmoid`)."""
 
     @property
     def name(self) -> str:
@@ -118,16 +118,9 @@ if kernels.HAS_TRITON:  # pragma: no cover - needs a CUDA GPU or the interpreter
     from triton.tools.tensor_descriptor import TensorDescriptor
 
     @triton.jit
-    def _gelu_sigmoid(g):
-        # gelu_tanh(g) = 0.5 g (1 + tanh z) = g sigmoid(2 z), z = sqrt(2/pi) (g + 0.044715 g^3): the exponent
-        # -2 z log2(e) as one multiply-add and a multiply, then one exp2 and one division. exp2 overflows to inf
-        # for g below about -11, where the quotient is -0, as gelu's.
-        return g / (1.0 + tl.exp2(g * (-2.302208198 - 0.1029432394 * g * g)))
-
-    @triton.jit
     def _act(g, GELU: tl.constexpr):  # noqa: N803
         if GELU == 1:
-            return _gelu_sigmoid(g)
+            return geglu_gemm.gelu_sigmoid(g)
         return kernels._gelu_tanh(g)
 
     @triton.jit

@@ -79,7 +79,8 @@ if kernels.HAS_TRITON:  # pragma: no cover - needs a CUDA GPU or the interpreter
         return (first_m + (tile % per_group) % rows) * BLOCK_M, ((tile % per_group) // rows) * BLOCK_N
 
     @triton.jit
-    def _gelu(g):
+    def gelu_sigmoid(g):
+        """gelu_tanh(g) in the kernel's epilogue form (see the comment)."""
         # gelu_tanh(g) = 0.5 g (1 + tanh z) = g sigmoid(2 z), z = sqrt(2/pi) (g + 0.044715 g^3): one exp2 and one
         # division (a third of the epilogue's instructions fewer than `kernels._gelu_tanh`). exp2 overflows to inf
         # below g of about -11, where the quotient is -0, as gelu's.
@@ -102,7 +103,7 @@ if kernels.HAS_TRITON:  # pragma: no cover - needs a CUDA GPU or the interpreter
                 x, w = x.to(tl.float32), w.to(tl.float32)
             acc = tl.dot(x, w.T, acc)
         gate, up = tl.split(tl.permute(tl.reshape(acc, (BLOCK_M, 2, BLOCK_N)), (0, 2, 1)))
-        o_desc.store([off_cm, off_cn], (_gelu(gate) * up).to(o_desc.dtype))
+        o_desc.store([off_cm, off_cn], (gelu_sigmoid(gate) * up).to(o_desc.dtype))
 
     @triton.jit
     def _geglu_gemm_kernel(

@@ -31,7 +31,7 @@ from .attention import (
     valid_first_rows,
 )
 from .config import Pi05Config
-from .gemma import AdaRMSNorm, GemmaMLP, GemmaStack, Modulation, RMSNorm, rope_cos_sin, upcast, upcast_dtype
+from .gemma import AdaRMSNorm, GemmaStack, Modulation, RMSNorm, rope_cos_sin, upcast, upcast_dtype
 from .heads import NoiseHead, ValueHead
 from .siglip import SiglipVisionTower
 
@@ -217,26 +217,23 @@ class Pi05Model(nn.Module):
             return
         stacks = {"expert", "llm", "vision"} if names is None else {n.split(".", 1)[0] for n in names}
         pairs: list[tuple[torch.Tensor, list[torch.Tensor]]] = []  # (buffer, the parameters it stacks)
-        mlps: list[tuple[torch.Tensor, GemmaMLP]] = []  # (the LM's gate/up stack, its layer's MLP)
+        rows: list[torch.Tensor] = []  # buffer views; rows[i] is copied from weights[i]
+        weights: list[torch.Tensor] = []
         if "expert" in stacks:
             for (qkv, mlp), layer in zip(self.fused_expert, self.expert.layers):
                 pairs += [(qkv, layer.self_attn.fused_parts()), (mlp, layer.mlp.fused_parts())]
         if "llm" in stacks:
             for (qkv, mlp), layer in zip(self.fused_prefix, self.llm.layers):
                 pairs.append((qkv, layer.self_attn.fused_parts()))
-                mlps.append((mlp, layer.mlp))
+                gate, up = geglu_gemm.stack_parts(mlp)  # gate and up blocks alternate in the stack
+                rows += [gate, up]
+                weights += [layer.mlp.gate_proj.weight.view(gate.shape), layer.mlp.up_proj.weight.view(up.shape)]
         if "vision" in stacks:
             for buffers, layer in zip(self.fused_vision, self.vision.encoder.layers):
                 pairs += zip(buffers, layer.self_attn.fused_parts())
-        rows: list[torch.Tensor] = []
-        weights: list[torch.Tensor] = []
         for buf, parts in pairs:
             rows += buf.split([w.shape[0] for w in parts])
             weights += parts
-        for buf, mlp in mlps:  # gate and up blocks alternate in the stack
-            gate, up = geglu_gemm.stack_parts(buf)
-            rows += [gate, up]
-            weights += [mlp.gate_proj.weight.view(gate.shape), mlp.up_proj.weight.view(up.shape)]
         if rows:
             with torch.no_grad():
                 torch._foreach_copy_(rows, weights)

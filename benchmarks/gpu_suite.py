@@ -131,6 +131,8 @@ SECTIONS: dict[str, Section] = {
     "profile_a1": section("benchmarks.profile_policy", plan=(("a", (1,)),)),
     "profile_targets": section("benchmarks.profile_policy", plan=(("a", (1, 64)), ("b", (64,))), copies=True),
     "attention_lm": section("benchmarks.bench_attention_backend", sites=("prefix", "expert")),
+    "attention_variants": section("benchmarks.bench_attention_variants"),
+    "timeline": section("benchmarks.profile_policy", "call_timeline"),
 }
 """Section name -> function of the output folder, in the order ``--sections`` defaults to."""
 

@@ -151,5 +151,58 @@ def run(out: Path | None = None, plan=(("a", (1, 64)), ("b", (1, 64))), copies: 
     return rows
 
 
+def call_timeline(out: Path | None = None, name: str = "a", batch: int = 64, reps: int = 5) -> list[dict]:
+    """Where the wall time of a whole timed call goes (`bench_policy`'s loop body: pageable host -> device copy of
+    the inputs, `act_inputs`, the actions' copy back), from a profile of host and device together.
+
+    One row for the median call: ``wall_ms``; ``device_busy_ms`` (the union of kernels and copies); ``lead_ms``
+    (call start to the first device activity), ``tail_ms`` (last device activity to the call's end) and the idle
+    gaps between (``gaps``: each over 20 us with its offset, the device activities either side and the host ops
+    running during it).
+    """
+    from torch.profiler import ProfilerActivity, profile, record_function
+
+    case = CASES[name]
+    config = Pi05Config.pi05_base()
+    policy = build_case_policy(case, (batch,), "ode", "none")
+    host = make_inputs(batch, case["cams"], case["prompt"], config.vision.image_size, policy.device).to("cpu")
+
+    def call() -> None:
+        policy.act_inputs(host.to(policy.device), deterministic=True).actions.cpu()
+
+    for _ in range(3):
+        call()
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+        for _ in range(reps):
+            with record_function("timed_call"):
+                call()
+    events = prof.events()
+    device = sorted((e for e in events if e.device_type == torch.autograd.DeviceType.CUDA),
+                    key=lambda e: e.time_range.start)  # fmt: skip
+    host_ops = [e for e in events if e.device_type == torch.autograd.DeviceType.CPU and e.name != "timed_call"]
+    calls = sorted((e for e in events if e.name == "timed_call"), key=lambda e: e.time_range.elapsed_us())
+    c = calls[len(calls) // 2]
+    t0, t1 = c.time_range.start, c.time_range.end
+    inside = [e for e in device if t0 <= e.time_range.start < t1]
+    busy, gaps, end, prev = 0.0, [], t0, None
+    for e in inside:
+        s, f = e.time_range.start, e.time_range.end
+        if s > end + 20 and prev is not None:
+            during = sorted({h.name for h in host_ops if h.time_range.start < s and h.time_range.end > end})
+            gaps.append({"at_ms": round((end - t0) / 1e3, 3), "us": round(s - end, 1), "after": prev[:80],
+                         "before": e.name[:80], "host_ops": during[:12]})  # fmt: skip
+        busy += max(0.0, f - max(s, end))
+        end, prev = max(end, f), e.name
+    row = {"case": name, "batch": batch, "stage": "timed call", "mode": "host + device profile",
+           "wall_ms": (t1 - t0) / 1e3, "device_busy_ms": busy / 1e3,
+           "lead_ms": ((inside[0].time_range.start if inside else t1) - t0) / 1e3, "tail_ms": (t1 - end) / 1e3,
+           "device_activities": len(inside), "gap_ms": sum(g["us"] for g in gaps) / 1e3,
+           "gaps": sorted(gaps, key=lambda g: -g["us"])[:15],
+           "memcpy": [{"name": e.name[:60], "us": round(e.time_range.elapsed_us(), 1)} for e in inside
+                      if "Memcpy" in e.name][:10]}  # fmt: skip
+    return write_rows(BENCH, [row], out)
+
+
 if __name__ == "__main__":
     run_cli(run, BENCH, __doc__)

@@ -159,7 +159,7 @@ GEMM_MAX_SCORES = 1 << 22
 tensor's memory traffic then outweighs the fused kernel's poor occupancy (the crossover is measured by
 `benchmarks/bench_expert_attention.py`)."""
 
-FLASH_MIN_SCORES = 1 << 26
+FLASH_MIN_SCORES = 1 << 23
 """At or above this many score elements "flash_large" and "triton_flash" run FlashAttention-4 (where it runs), below it
 SDPA / the Triton kernel. Measured on the H200 (`attention_backend.jsonl`, the masked prefix LM): flash 861 / 413 us
 against the Triton kernel's 1,323 / 510 and SDPA's 1,730 / 730 at batch 64 (482 M / 161 M score elements, cases (a) /
@@ -482,9 +482,9 @@ class AttentionConfig:
         for site in SITES:
             want = getattr(self, site)
             if want == "auto":
-                if site == "expert" and device.type == "cuda":
-                    choice = "triton" if kernels.HAS_TRITON else "gemm"
-                elif site == "prefix" and device.type == "cuda" and kernels.HAS_TRITON:
+                if site == "expert" and device.type == "cuda" and not kernels.HAS_TRITON:
+                    choice = "gemm"
+                elif site in ("prefix", "expert") and device.type == "cuda" and kernels.HAS_TRITON:
                     choice = "triton_flash"
                     if no_flash is not None:
                         plan.reasons[site] = f"auto: large calls stay on triton, flash not run ({no_flash})"

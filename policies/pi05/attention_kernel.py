@@ -84,18 +84,19 @@ def tiles_for(batch: int, rows: int) -> Tiles:
 if kernels.HAS_TRITON:  # pragma: no cover - needs a CUDA GPU or the interpreter
     import triton
     import triton.language as tl
+    from triton.tools.tensor_descriptor import TensorDescriptor
 
     @triton.jit
     def _attend_block(
-        q, m_i, l_i, acc, k_ptr, v_ptr, m_ptr, block, b, n_keys, scale, k_b, k_s, v_b, v_s, m_b, d, d_ok,
-        HAS_MASK: tl.constexpr, INTERPRET: tl.constexpr, BLOCK_N: tl.constexpr,  # noqa: N803
+        q, m_i, l_i, acc, k_desc, v_desc, m_ptr, block, bi, b, n_keys, scale, m_b,
+        HAS_MASK: tl.constexpr, INTERPRET: tl.constexpr, BLOCK_N: tl.constexpr, D: tl.constexpr,  # noqa: N803
     ):  # fmt: skip
         # One block of BLOCK_N keys folded into the running (max, normaliser, unnormalised sum) of the rows, in
-        # base 2: `scale` carries log2(e), so exp2 of the scores is exp of the natural-log scores.
+        # base 2: `scale` carries log2(e), so exp2 of the scores is exp of the natural-log scores. K and V arrive
+        # by TMA (one copy a block each); the descriptors' bounds zero-fill keys past n_keys and columns past HD.
         keys = block * BLOCK_N + tl.arange(0, BLOCK_N)
         key_ok = keys < n_keys
-        kv_ok = key_ok[:, None] & d_ok[None, :]
-        k = tl.load(k_ptr + b * k_b + keys[:, None] * k_s + d[None, :], mask=kv_ok, other=0.0)
+        k = k_desc.load([bi, block * BLOCK_N, 0]).reshape(BLOCK_N, D)
         if INTERPRET:  # the interpreter's tl.dot misreads bfloat16; half products are exact in float32
             k = k.to(tl.float32)
         s = tl.dot(q, tl.trans(k)) * scale  # (BLOCK_M, BLOCK_N) float32
@@ -105,23 +106,24 @@ if kernels.HAS_TRITON:  # pragma: no cover - needs a CUDA GPU or the interpreter
         m_new = tl.maximum(m_i, tl.max(s, axis=1))
         alpha = tl.exp2(m_i - m_new)
         p = tl.exp2(s - m_new[:, None])
-        vt = tl.load(v_ptr + b * v_b + keys[:, None] * v_s + d[None, :], mask=kv_ok, other=0.0)
+        vt = v_desc.load([bi, block * BLOCK_N, 0]).reshape(BLOCK_N, D)
         pv = p.to(vt.dtype)
         if INTERPRET:
             pv, vt = pv.to(tl.float32), vt.to(tl.float32)
-        return m_new, l_i * alpha + tl.sum(p, axis=1), acc * alpha[:, None] + tl.dot(pv, vt)
+        return m_new, l_i * alpha + tl.sum(p, axis=1), tl.dot(pv, vt, acc * alpha[:, None])
 
     @triton.jit(do_not_specialize=["n_keys", "iters", "splits", "m_b"])
     def _attend_split_kernel(
-        q_ptr, k_ptr, v_ptr, m_ptr, o_ptr, po_ptr, pm_ptr, pl_ptr,
-        rows, inner, n_keys, iters, splits, scale, q_b, q_outer, q_inner, k_b, k_s, v_b, v_s, m_b, o_b,
+        q_ptr, k_desc, v_desc, m_ptr, o_ptr, po_ptr, pm_ptr, pl_ptr,
+        rows, inner, n_keys, iters, splits, scale, q_b, q_outer, q_inner, m_b, o_b,
         HAS_MASK: tl.constexpr, INTERPRET: tl.constexpr,  # noqa: N803
         BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, D: tl.constexpr, HD: tl.constexpr,  # noqa: N803
     ):  # fmt: skip
         # Program (row block, key range, batch row). Row r of the folded queries is (r // inner, r % inner) in
         # q's (outer, inner) dimensions: (token, head) when q is token-major, (head, token) otherwise. Shape-
         # dependent sizes are runtime values (not specialised): one compiled kernel serves every batch bucket.
-        pid_m, pid_s, b = tl.program_id(0), tl.program_id(1), tl.program_id(2).to(tl.int64)
+        pid_m, pid_s, bi = tl.program_id(0), tl.program_id(1), tl.program_id(2)
+        b = bi.to(tl.int64)
         r = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
         d = tl.arange(0, D)  # the head width HD padded to a power of two (zeros beyond it)
         d_ok = d < HD
@@ -137,13 +139,13 @@ if kernels.HAS_TRITON:  # pragma: no cover - needs a CUDA GPU or the interpreter
         if INTERPRET:  # the interpreter runs no `for` over a runtime bound
             i = 0
             while i < iters:
-                m_i, l_i, acc = _attend_block(q, m_i, l_i, acc, k_ptr, v_ptr, m_ptr, first + i, b, n_keys, scale,
-                                              k_b, k_s, v_b, v_s, m_b, d, d_ok, HAS_MASK, INTERPRET, BLOCK_N)
+                m_i, l_i, acc = _attend_block(q, m_i, l_i, acc, k_desc, v_desc, m_ptr, first + i, bi, b, n_keys,
+                                              scale, m_b, HAS_MASK, INTERPRET, BLOCK_N, D)  # fmt: skip
                 i += 1
         else:
             for i in range(0, iters):
-                m_i, l_i, acc = _attend_block(q, m_i, l_i, acc, k_ptr, v_ptr, m_ptr, first + i, b, n_keys, scale,
-                                              k_b, k_s, v_b, v_s, m_b, d, d_ok, HAS_MASK, INTERPRET, BLOCK_N)
+                m_i, l_i, acc = _attend_block(q, m_i, l_i, acc, k_desc, v_desc, m_ptr, first + i, bi, b, n_keys,
+                                              scale, m_b, HAS_MASK, INTERPRET, BLOCK_N, D)  # fmt: skip
         if splits > 1:  # float32 partials (B, splits, rows[, HD]) for the combine kernel
             part = (b * splits + pid_s) * rows + r
             tl.store(po_ptr + part[:, None] * HD + d[None, :], acc, mask=row_ok[:, None] & d_ok[None, :])
@@ -175,9 +177,16 @@ if kernels.HAS_TRITON:  # pragma: no cover - needs a CUDA GPU or the interpreter
 
 
 def serves(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> bool:
-    """Whether `attend` runs this call: CUDA half (or the interpreter), no autograd, one K/V head, 8..256 wide."""
+    """Whether `attend` runs this call: CUDA half (or the interpreter), no autograd, one K/V head, 8..256 wide.
+
+    K and V must be addressable by TMA: a 16-byte aligned start, batch and key strides of whole 16-byte units.
+    """
     hd = q.shape[-1]
     needs_grad = torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad)
+    tma = all(
+        x.data_ptr() % 16 == 0 and all(x.stride(i) * x.element_size() % 16 == 0 or x.shape[i] == 1 for i in (0, 2))
+        for x in (k, v)
+    )
     return (
         kernels.triton_serves(q)
         and not needs_grad
@@ -185,6 +194,7 @@ def serves(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> bool:
         and k.dtype == v.dtype == q.dtype
         and 8 <= hd <= 256
         and q.stride(-1) == k.stride(-1) == v.stride(-1) == 1
+        and tma
     )
 
 
@@ -242,10 +252,12 @@ def attend(
     else:
         part_o, part_m, part_l = (torch.empty(1, dtype=torch.float32, device=q.device) for _ in range(3))  # unused
     m_blocks = _cdiv(rows, block_m)
+    k_desc, v_desc = (TensorDescriptor(x[:, 0], [b, s, hd], [x.stride(0) if b > 1 else s * x.stride(2), x.stride(2), 1],
+                                       [1, block_n, width]) for x in (k, v))  # fmt: skip
     _attend_split_kernel[(m_blocks, splits, b)](
-        q, k, v, mask, out, part_o, part_m, part_l,
-        rows, inner, s, iters, splits, scale * LOG2E, q.stride(0), q_outer, q_inner, k.stride(0), k.stride(2),
-        v.stride(0), v.stride(2), m_b, out.stride(0), HAS_MASK=key_mask is not None, INTERPRET=kernels.INTERPRETED,
+        q, k_desc, v_desc, mask, out, part_o, part_m, part_l,
+        rows, inner, s, iters, splits, scale * LOG2E, q.stride(0), q_outer, q_inner, m_b, out.stride(0),
+        HAS_MASK=key_mask is not None, INTERPRET=kernels.INTERPRETED,
         BLOCK_M=block_m, BLOCK_N=block_n, D=width, HD=hd, num_warps=tiles.num_warps if width >= 128 else 4,
         num_stages=tiles.num_stages,
     )  # fmt: skip

@@ -59,6 +59,10 @@ class PrefixCache:
         output_mask: (B, T) bool validity of `output`'s rows where it differs from `key_mask` (the fused path).
         suffix_offset: when set, `keys`/`values` are static buffers (B, Nkv, T + H, hd) holding the prefix in
             [:T]; each expert step writes its action-token K/V into [T:] instead of concatenating.
+        valid_first: `key_mask` is each row's first `num_valid` rows (the fused path's layout). With a static
+            tail, the fused expert layers then write the action-token K/V right after them (rows num_valid + j,
+            `suffix_rows`), so that the suffix attention's valid keys are each row's first num_valid + H
+            (`suffix_lengths`): FlashAttention reads them in place. The prefix rows they overwrite are invalid.
     """
 
     keys: list[torch.Tensor]
@@ -70,6 +74,9 @@ class PrefixCache:
     suffix_rope: tuple[torch.Tensor, torch.Tensor] | None = None
     suffix_mask: torch.Tensor | None = None
     output_mask: torch.Tensor | None = None
+    valid_first: bool = False
+    suffix_rows: torch.Tensor | None = None
+    suffix_lengths: torch.Tensor | None = None
 
 
 def sinusoidal_time_embedding(
@@ -376,7 +383,7 @@ class Pi05Model(nn.Module):
         output = None
         if need_output:
             _, output = kernels.add_norm(x, delta, self.llm.norm.weight, cfg.eps, add_one=True, store_residual=False)
-        return PrefixCache(keys, values, key_valid, num_valid, output, output_mask=valid)
+        return PrefixCache(keys, values, key_valid, num_valid, output, output_mask=valid, valid_first=True)
 
     # ---------------------------------------------------------------------------------------- expert
     def time_condition(
@@ -444,19 +451,25 @@ class Pi05Model(nn.Module):
         cfg = self.config.expert
         b, h, _ = x_t.shape
         x = self.action_in_proj(x_t.to(upcast_dtype(self.action_in_proj.weight.dtype))).to(self.compute_dtype)
+        if fused is None and use_fused and self._fused_usable(x.dtype):
+            fused = self.fused_expert
+        fused_layers = fused is not None and cache.suffix_offset is not None and kernels.fused_path(fused_kernels, x)
         if cache.suffix_rope is None:  # positions and mask are the same at every denoise step: build once
             positions = cache.num_valid[:, None] + torch.arange(h, device=x_t.device)[None, :]
             cache.suffix_rope = rope_cos_sin(positions, cfg.head_dim, cfg.rope_theta, x.dtype)
-            valid = torch.cat([cache.key_mask, torch.ones(b, h, dtype=torch.bool, device=x_t.device)], dim=1)
+            if fused_layers and cache.valid_first:  # action K/V at rows num_valid + j (`PrefixCache.valid_first`)
+                cache.suffix_rows, lengths = positions, cache.num_valid + h
+                cache.suffix_lengths = lengths.to(torch.int32)
+                valid = torch.arange(cache.suffix_offset + h, device=x_t.device)[None, :] < lengths[:, None]
+            else:
+                valid = torch.cat([cache.key_mask, torch.ones(b, h, dtype=torch.bool, device=x_t.device)], dim=1)
             # "gemm" and "triton" add the mask to float32 scores; SDPA and flash take it in the compute dtype
             gemm = gemm_serves(b, cfg.num_heads, cfg.num_kv_heads, h, valid.shape[1], torch.is_grad_enabled())
             cache.suffix_mask = additive_mask(valid, mask_dtype(self.plan.expert, x.dtype, gemm))
         cos, sin = cache.suffix_rope
         key_mask = cache.suffix_mask
         scale = cfg.head_dim**-0.5
-        if fused is None and use_fused and self._fused_usable(x.dtype):
-            fused = self.fused_expert
-        if fused is not None and cache.suffix_offset is not None and kernels.fused_path(fused_kernels, x):
+        if fused_layers:
             return self._expert_layers_fused(cache, x, mods, fused)
         for i, layer in enumerate(self.expert.layers):
             fused_qkv, fused_mlp = fused[i] if fused is not None else (None, None)
@@ -485,15 +498,17 @@ class Pi05Model(nn.Module):
         """The expert layers of `expert_step` as fused kernels; (B, H, We) compute-dtype input -> float32 output.
 
         Per layer-step: add+adaRMS (the previous layer's gated MLP residual fused in), the [q;k;v] GEMM, one RoPE
-        kernel writing q token-major and K/V into the cache tail, attention, the o GEMM, add+adaRMS (the gated
-        attention residual fused in), the [gate;up] GEMM, GeGLU, the down GEMM. The final norm adds the last
-        residual and writes float32 (rounded to the compute dtype first, as `upcast` of the unfused output).
+        kernel writing q token-major and K/V into the cache (its tail, or rows `suffix_rows` right after each row's
+        valid prefix keys), attention, the o GEMM, add+adaRMS (the gated attention residual fused in), the
+        [gate;up] GEMM, GeGLU, the down GEMM. The final norm adds the last residual and writes float32 (rounded to
+        the compute dtype first, as `upcast` of the unfused output).
         """
         cfg = self.config.expert
         b, h, _ = x.shape
         n, nkv, hd = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
         cos, sin = (c[:, 0] for c in cache.suffix_rope)  # (B, H, hd)
-        off = cache.suffix_offset
+        rows = cache.suffix_rows
+        off = 0 if rows is not None else cache.suffix_offset
         scale = cfg.head_dim**-0.5
         delta, gate = None, None  # the branch output not yet added to x, and its gate
         for i, layer in enumerate(self.expert.layers):
@@ -504,8 +519,10 @@ class Pi05Model(nn.Module):
             q = torch.empty(b, h, n, hd, dtype=x.dtype, device=x.device)
             keys, values = cache.keys[i], cache.values[i]
             kernels.qkv_rope(y[:, :, :n], y[:, :, n : n + nkv], y[:, :, n + nkv :], cos, sin, q,
-                             keys[:, :, off:].transpose(1, 2), values[:, :, off:].transpose(1, 2))  # fmt: skip
-            o = layer.self_attn.out(attend(q.transpose(1, 2), keys, values, cache.suffix_mask, scale, self.plan.expert))
+                             keys[:, :, off:].transpose(1, 2), values[:, :, off:].transpose(1, 2), rows)  # fmt: skip
+            o = attend(q.transpose(1, 2), keys, values, cache.suffix_mask, scale, self.plan.expert,
+                       cache.suffix_lengths)  # fmt: skip
+            o = layer.self_attn.out(o)
             scale1, shift, next_gate = mods[2 * i + 1]
             x, hidden = kernels.add_norm(x, o, scale1, cfg.eps, gate=mods[2 * i][2], shift=shift)
             delta, gate = layer.mlp(hidden, mlp_w), next_gate

@@ -136,6 +136,7 @@ class _Buffers:
     log_prob: torch.Tensor  # (Bmax, H, D) float32
     out_values: torch.Tensor  # (Bmax,) float32
     denoise_inds: torch.Tensor  # (Bmax, Kmax) int64
+    valid_first: bool = False  # the prefix stage stored each row's valid K/V first (`PrefixCache.valid_first`)
 
 
 @dataclass
@@ -329,6 +330,7 @@ class Pi05Scheduler:
                                  self.config.fused_kernels)  # fmt: skip
         buf.key_mask[:b, :t].copy_(cache.key_mask)
         buf.num_valid[:b].copy_(cache.num_valid)
+        buf.valid_first = cache.valid_first  # the same for every stage of this model, dtype and device
         value = prefix_values(self.model, cache)
         if value is not None:
             buf.prefix_pooled[:b].copy_(value[0])
@@ -347,7 +349,8 @@ class Pi05Scheduler:
         h = self.model.config.action_horizon
         keys = [k[:b, :, : t + h] for k in buf.keys]
         values = [v[:b, :, : t + h] for v in buf.values]
-        return PrefixCache(keys, values, buf.key_mask[:b, :t], buf.num_valid[:b], suffix_offset=t)
+        return PrefixCache(keys, values, buf.key_mask[:b, :t], buf.num_valid[:b], suffix_offset=t,
+                           valid_first=buf.valid_first)  # fmt: skip
 
     def _denoise_stage(self, b: int, length: int, cams: tuple[int, ...], k: int, learned: bool = False) -> None:
         """Static buffers [:b] -> chain, log-probs, values, denoise indices for K = k (`learned`: the noise head)."""
@@ -487,6 +490,8 @@ class Pi05Scheduler:
             b = self.bucket_for(n)
             self._load(chunk, seeds[index], counters[index], opts, b, length)
             self._run_prefix(b, length, cams)
+            if keep_prefix:  # before the denoise steps write action K/V into invalid prefix rows
+                prefixes.append(self._stored_prefix(n, t))
             self._run_denoise(b, length, cams, k, learned)
             buf = self.buffers
             assert buf is not None
@@ -498,8 +503,6 @@ class Pi05Scheduler:
                     buf.denoise_inds[:n, :k].clone(),
                 )
             )
-            if keep_prefix:
-                prefixes.append(self._stored_prefix(n, t))
         chain, lp, values, inds = (torch.cat(x) for x in zip(*parts))
         prefix = StoredPrefix.cat(prefixes) if prefixes else None
         return RolloutOutputs(chain, lp, values, prefix), inds

@@ -75,7 +75,7 @@ def test_gemm_serves_autograd_with_the_forward_math(count_sdpa):
 def test_auto_plan_uses_the_triton_kernel_on_cuda_only():
     cuda = AttentionConfig().resolve(torch.device("cuda"), torch.bfloat16)
     flash = attention.flash_device_status(torch.device("cuda")) is None  # FlashAttention-4 installed and runnable
-    assert cuda.expert == ("triton" if kernels.HAS_TRITON else "gemm")
+    assert cuda.expert == ("triton_flash" if kernels.HAS_TRITON else "gemm")
     assert cuda.vision == "sdpa"
     assert cuda.prefix == ("triton_flash" if kernels.HAS_TRITON else "flash_large" if flash else "sdpa")
     cpu = AttentionConfig().resolve(torch.device("cpu"), torch.float32)

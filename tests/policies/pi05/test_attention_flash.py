@@ -44,7 +44,7 @@ def test_missing_package_is_named_with_its_install_line():
     if not torch.cuda.is_available():  # the CUDA plan of a machine without the package names it too
         plan = AttentionConfig().resolve(torch.device("cuda"), torch.bfloat16)
         assert (plan.vision, plan.prefix) == ("sdpa", "triton_flash" if kernels.HAS_TRITON else "sdpa")
-        assert plan.expert == ("triton" if kernels.HAS_TRITON else "gemm")
+        assert plan.expert == ("triton_flash" if kernels.HAS_TRITON else "gemm")
         note = "auto: large calls stay on triton, flash not run" if kernels.HAS_TRITON else "auto: flash not run"
         assert plan.flash == f"not run: {status}" and plan.reasons["prefix"].startswith(note)
 

@@ -159,11 +159,13 @@ GEMM_MAX_SCORES = 1 << 22
 tensor's memory traffic then outweighs the fused kernel's poor occupancy (the crossover is measured by
 `benchmarks/bench_expert_attention.py`)."""
 
-FLASH_MIN_SCORES = 1 << 23
+FLASH_MIN_SCORES = 1 << 20
 """At or above this many score elements "flash_large" and "triton_flash" run FlashAttention-4 (where it runs), below it
-SDPA / the Triton kernel. Measured on the H200 (`attention_backend.jsonl`, the masked prefix LM): flash 861 / 413 us
-against the Triton kernel's 1,323 / 510 and SDPA's 1,730 / 730 at batch 64 (482 M / 161 M score elements, cases (a) /
-(b)); at batch 1 (7.5 M / 2.5 M) flash 78 / 69 us against Triton's 36 / 22 and SDPA's 59 / 39."""
+SDPA / the Triton kernel. Measured on the H200 with the keys read in place (`attention_variants.jsonl` at 8f2e6af):
+the prefix LM ran faster on FlashAttention-4 at every measured size (2.5 M score elements and up, e.g. (a) batch 1
+23.3 against 26.4 us, batch 16 184 against 326); the expert's action queries from about 1 M ((a) batch 4, 1.6 M: 24.2
+against 23.8 us; (b) batch 32, 1.5 M: 17.6 against 32.8; (a) batch 64: 52.7 against 91.6), while below it the Triton
+kernel's key splits win ((a) batch 1 and 2, 0.4 / 0.8 M: 11.6 / 16.0 against 23.9 / 22.5 us)."""
 
 
 @functools.cache
@@ -442,15 +444,14 @@ def attend(
 class AttentionConfig:
     """Which backend each call site asks for: "auto" or one of `BACKENDS`.
 
-    "auto" follows the H200 measurements (`attention_backend.jsonl`): for the prefix on CUDA "triton_flash" where triton
-    is installed (the Triton kernel, and FlashAttention-4 for calls of at least `FLASH_MIN_SCORES` score elements where
-    it runs: CUDA sm90/sm100, a half dtype, `flash_attn.cute` importable), without triton "flash_large" (the same
-    hand-over, to SDPA below it); for the expert on CUDA "triton" (short query blocks against the prefix cache as one
-    Triton kernel, faster than SDPA at batch 1 and 64; autograd calls go to "gemm") where triton is installed, else
-    "gemm"; SDPA for the vision tower (the Triton kernel ran its 16-head calls 2.9x slower: `attention_backend.jsonl`
-    rows with ``tune`` at site "vision") and everywhere else. A request that cannot be served falls back
-    (flash -> sdpa, triton -> gemm -> sdpa) and the fallback is recorded in `AttentionPlan.reasons`;
-    `AttentionPlan.flash` says which flash kernel runs, or why none does.
+    "auto" follows the H200 measurements (`attention_backend.jsonl`, `attention_variants.jsonl`): for the prefix and
+    the expert on CUDA "triton_flash" where triton is installed (the Triton kernel, and FlashAttention-4 for calls
+    of at least `FLASH_MIN_SCORES` score elements where it runs: CUDA sm90/sm100, a half dtype, `flash_attn.cute`
+    importable; the expert's autograd calls go to "gemm"); without triton "flash_large" for the prefix (the same
+    hand-over, to SDPA below it) and "gemm" for the expert; SDPA for the vision tower (the Triton kernel ran its
+    16-head calls 2.9x slower: `attention_backend.jsonl` rows with ``tune`` at site "vision") and everywhere else. A
+    request that cannot be served falls back (flash -> sdpa, triton -> gemm -> sdpa) and the fallback is recorded in
+    `AttentionPlan.reasons`; `AttentionPlan.flash` says which flash kernel runs, or why none does.
 
     Example:
         >>> plan = AttentionConfig(prefix="eager").resolve(torch.device("cpu"), torch.float32)

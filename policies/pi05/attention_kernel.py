@@ -1,17 +1,19 @@
 """One Triton kernel for multi-query attention: folded query rows against one K/V head, split over the keys.
 
-The denoise loop's attention is H action tokens x Nh query heads against one K/V head of S = T + H keys (the
-prefix cache and the action tokens' own K/V). Folding the heads that share the K/V head into Nh * H query rows
-(as the "gemm" backend does), one program computes a block of rows over one contiguous range of keys with an
-online softmax (flash-decoding): float32 scores from half operands, the additive key mask added in float32,
-probabilities cast to the value dtype for the second product, float32 accumulation. With one key range per row
-block the program normalises and writes the output itself; with several (small batches, where row blocks alone
-would occupy a few SMs) each writes its float32 partial (sum, max, normaliser) and a second kernel combines them,
-all ranges of a row in one tile reduction (a fixed order). Either way the call is deterministic and
-graph-capturable, and it replaces the "gemm" path's five kernels (scores GEMM, softmax, cast, PV GEMM with its
-split-K reduce). The prefix LM's calls (all prefix tokens against the prefix keys) run it too. The launch geometry
-(`Tiles`: rows and keys per program, warps, pipeline stages) follows the call's size (`tiles_for`); the softmax runs
-in base 2 (exp2 of scores scaled by log2(e)).
+The denoise loop's attention is H action tokens x Nh query heads against one K/V head of S = T + H keys (the prefix
+cache and the action tokens' own K/V). Folding the heads that share the K/V head into Nh * H query rows (as the
+"gemm" backend does), one program computes a block of rows over one contiguous range of keys with an online softmax
+(flash-decoding): float32 scores from half operands, the additive key mask added in float32, probabilities cast to
+the value dtype for the second product, float32 accumulation. With one key range per row block the program
+normalises and writes the output itself; with several (small batches, where row blocks alone would occupy a few SMs)
+each writes its float32 partial (sum, max, normaliser) and a second kernel combines them, all ranges of a row in one
+tile reduction (a fixed order). Either way the call is deterministic and graph-capturable, and it replaces the
+"gemm" path's five kernels (scores GEMM, softmax, cast, PV GEMM with its split-K reduce). K and V arrive by TMA, one
+copy per key block through a (batch, keys, width) descriptor whose bounds zero-fill the ragged last block (18 %
+faster than per-thread pointer copies at the expert's (a) batch 64 shape, `attention_variants.jsonl` at 253b626).
+The prefix LM's calls (all prefix tokens against the prefix keys) run it too. The launch geometry (`Tiles`: rows and
+keys per program, warps, pipeline stages) follows the call's size (`tiles_for`); the softmax runs in base 2 (exp2 of
+scores scaled by log2(e)).
 
 Rounding: as "gemm" (`attention._gemm`) up to float32 summation order, except that the probabilities are cast to
 the value dtype before normalisation instead of after (each rounds once, relative error 2^-9 either way).

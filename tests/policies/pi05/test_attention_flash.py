@@ -66,7 +66,7 @@ def test_triton_hand_over_is_reported():
     large_call = "triton" if kernels.HAS_TRITON else "sdpa (gemm: above GEMM_MAX_SCORES or several K/V heads)"
     assert served_by("triton", cuda, torch.bfloat16, 64, 8, 1, 50, 1018, 256) == large_call  # the kernel: any size
     large = attention.FLASH_MIN_SCORES
-    assert served_by("triton_flash", cuda, torch.bfloat16, 1, 8, 1, 50, 1018, 256) == large_call  # (a) batch 1 expert
+    assert served_by("triton_flash", cuda, torch.bfloat16, 1, 8, 1, 50, 1018, 256) == expected  # (a) batch 1 expert
     flash = attention.flash_device_status(cuda) is None
     assert served_by("triton_flash", cuda, torch.bfloat16, large, 1, 1, 1, 1, 256) == (
         f"{attention.flash_kernel_name()} (triton_flash: at or above FLASH_MIN_SCORES)" if flash else large_call

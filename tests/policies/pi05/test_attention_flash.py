@@ -68,8 +68,9 @@ def test_triton_hand_over_is_reported():
     large = attention.FLASH_MIN_SCORES
     assert served_by("triton_flash", cuda, torch.bfloat16, 1, 8, 1, 50, 1018, 256) == expected  # (a) batch 1 expert
     flash = attention.flash_device_status(cuda) is None
+    below = served_by("triton", cuda, torch.bfloat16, large, 1, 1, 1, 1, 256)  # where it goes without flash
     assert served_by("triton_flash", cuda, torch.bfloat16, large, 1, 1, 1, 1, 256) == (
-        f"{attention.flash_kernel_name()} (triton_flash: at or above FLASH_MIN_SCORES)" if flash else large_call
+        f"{attention.flash_kernel_name()} (triton_flash: at or above FLASH_MIN_SCORES)" if flash else below
     )
     if kernels.HAS_TRITON:
         assert attention.triton_shape_status(cuda, torch.float32, 1, 256) == (

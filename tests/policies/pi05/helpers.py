@@ -110,3 +110,41 @@ def expert_side(model: Pi05Model) -> list[torch.nn.Module]:
     """The modules `trainable="expert"` trains."""
     mods = [model.expert, model.action_in_proj, model.action_out_proj, model.time_mlp_in, model.time_mlp_out]
     return mods + [h for h in (model.value_head, model.noise_head) if h is not None]
+
+
+def packed_and_tail_expert_steps(device: str, expert_backend: str, seed: int = 5) -> dict[str, Any]:
+    """One fused expert step of a tiny bf16 model on a valid-first prefix cache (prompts of several lengths, a masked
+    camera), twice on copies of the same K/V: action K/V packed after each row's valid keys, and in the static tail.
+
+    Returns the two caches and outputs (``packed``, ``tail``, ``outs``), the prefix cache and the horizon ``h``.
+    """
+    from policies.pi05.attention import AttentionConfig
+    from policies.pi05.model import PrefixCache
+
+    model = Pi05Model(Pi05Config.tiny(), AttentionConfig(expert=expert_backend))
+    randomize_parameters_(model, 0)
+    model.to(device).set_precision(torch.bfloat16).eval()
+    model.build_fused_weights()
+    x = make_inputs(3, seed=seed)
+    token_mask = torch.arange(x.tokens.shape[1])[None, :] < x.lengths[:, None]
+    h, cfg = model.config.action_horizon, model.config.expert
+    with torch.no_grad():
+        emb, valid = model.embed_prefix(x.images.to(device), x.image_mask.to(device), x.tokens.long().to(device),
+                                        token_mask.to(device), fused_kernels=True)  # fmt: skip
+        b, t = valid.shape
+        shape = (b, cfg.num_kv_heads, t + h, cfg.head_dim)
+        bufs = [torch.zeros(shape, dtype=torch.bfloat16, device=device) for _ in range(2 * cfg.depth)]
+        slots = [(k[:, :, :t], v[:, :, :t]) for k, v in zip(bufs[::2], bufs[1::2])]
+        prefix = model.run_prefix(emb, valid, kv_out=slots, fused_kernels=True)
+        gen = torch.Generator().manual_seed(1)
+        noise = torch.randn(b, h, model.config.action_dim, generator=gen).to(device)
+        mods = model.modulations(model.time_condition(torch.full((b,), 0.6, device=device)))
+        outs, caches = [], []
+        for packed in (True, False):
+            kv = [x.clone() for x in bufs]
+            cache = PrefixCache(kv[::2], kv[1::2], prefix.key_mask, prefix.num_valid, suffix_offset=t,
+                                valid_first=packed)  # fmt: skip
+            outs.append(model.expert_step(cache, noise, mods, use_fused=True, fused_kernels=True))
+            caches.append(cache)
+    return {"packed": caches[0], "tail": caches[1], "outs": outs, "prefix": prefix, "h": h, "valid": valid}
+

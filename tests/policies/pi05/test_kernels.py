@@ -255,42 +255,18 @@ def test_fused_expert_packs_action_keys_after_each_rows_valid_prefix():
     """On a valid-first prefix cache (the fused LM's layout; prompts of several lengths and a masked camera), the
     fused expert layers write each row's action K/V at rows num_valid + j instead of the static tail: the same K/V
     bitwise in the first layer, the same expert output up to the attention's summation order."""
-    from policies.pi05.attention import AttentionConfig
-    from policies.pi05.config import Pi05Config
-    from policies.pi05.model import Pi05Model, PrefixCache, randomize_parameters_
-    from tests.policies.pi05.helpers import make_inputs
+    from tests.policies.pi05.helpers import packed_and_tail_expert_steps
 
-    model = Pi05Model(Pi05Config.tiny(), AttentionConfig(expert="triton_flash"))
-    randomize_parameters_(model, 0)
-    model.set_precision(torch.bfloat16).eval()
-    model.build_fused_weights()
-    x = make_inputs(3, seed=5)
-    token_mask = torch.arange(x.tokens.shape[1])[None, :] < x.lengths[:, None]
-    h, cfg = model.config.action_horizon, model.config.expert
-    with torch.no_grad():
-        emb, valid = model.embed_prefix(x.images, x.image_mask, x.tokens.long(), token_mask, fused_kernels=True)
-        b, t = valid.shape
-        shape = (b, cfg.num_kv_heads, t + h, cfg.head_dim)
-        bufs = [torch.zeros(shape, dtype=torch.bfloat16) for _ in range(2 * cfg.depth)]
-        slots = [(k[:, :, :t], v[:, :, :t]) for k, v in zip(bufs[::2], bufs[1::2])]
-        prefix = model.run_prefix(emb, valid, kv_out=slots, fused_kernels=True)
-        assert prefix.valid_first and not bool(valid.all())
-        noise = torch.randn(b, h, model.config.action_dim, generator=torch.Generator().manual_seed(1))
-        mods = model.modulations(model.time_condition(torch.full((b,), 0.6)))
-        outs, caches = [], []
-        for packed in (True, False):
-            kv = [x.clone() for x in bufs]
-            cache = PrefixCache(kv[::2], kv[1::2], prefix.key_mask, prefix.num_valid, suffix_offset=t,
-                                valid_first=packed)  # fmt: skip
-            outs.append(model.expert_step(cache, noise, mods, use_fused=True, fused_kernels=True))
-            caches.append(cache)
-    packed, tail = caches
+    run = packed_and_tail_expert_steps("cpu", "triton_flash")
+    packed, tail, prefix, h = run["packed"], run["tail"], run["prefix"], run["h"]
+    t = packed.suffix_offset
+    assert prefix.valid_first and not bool(run["valid"].all())
     assert packed.suffix_rows is not None and tail.suffix_rows is None
     assert torch.equal(packed.suffix_lengths, (prefix.num_valid + h).int())
     for row, n in enumerate(prefix.num_valid.tolist()):
         assert torch.equal(packed.keys[0][row, :, n : n + h], tail.keys[0][row, :, t:])
         assert torch.equal(packed.values[0][row, :, n : n + h], tail.values[0][row, :, t:])
-    assert near(outs[0], outs[1], ulps=4)
+    assert near(run["outs"][0], run["outs"][1], ulps=4)
 
 
 # ------------------------------------------------------------------------------------------- denoise_update

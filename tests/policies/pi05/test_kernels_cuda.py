@@ -291,6 +291,26 @@ def test_expert_attention_kernel_matches_float32_softmax(batch, t, keys, splits)
     assert out.stride() == q.stride() and torch.equal(replayed, out)
 
 
+@pytest.mark.parametrize("backend", ["triton_flash", "flash"])
+def test_fused_expert_packed_action_keys_match_the_tail_layout(backend):
+    """The packed action K/V (rows num_valid + j) on CUDA, read by the Triton kernel ("triton_flash" below the
+    threshold) or FlashAttention-4 in place ("flash", `seqused_k`): the same expert output as the static-tail layout
+    within four bf16 ulps of its largest value, the same first-layer K/V bitwise."""
+    pytest.importorskip("triton")
+    from policies.pi05 import attention
+    from tests.policies.pi05.helpers import packed_and_tail_expert_steps
+
+    if backend == "flash" and attention.flash_device_status(torch.device("cuda")) is not None:
+        pytest.skip(f"flash not run: {attention.flash_device_status(torch.device('cuda'))}")
+    run = packed_and_tail_expert_steps("cuda", backend)
+    packed, tail, h = run["packed"], run["tail"], run["h"]
+    t = packed.suffix_offset
+    for row, n in enumerate(run["prefix"].num_valid.tolist()):
+        assert torch.equal(packed.keys[0][row, :, n : n + h], tail.keys[0][row, :, t:])
+    got, want = (o.float() for o in run["outs"])
+    assert (got - want).abs().max() <= want.abs().max() * 4 * 2**-7
+
+
 def _step_inputs(b: int, k: int, seed: int):
     """Random (B, H=50, D=32) step inputs at case (a) geometry, K-step tables, a (B, K) stochastic pattern."""
     from policies.pi05.sampler import StepTables

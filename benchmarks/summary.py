@@ -49,8 +49,14 @@ TABLES: dict[str, Table] = {
     ),
     "skinny_gemm": Table(("gemm", "m", "backend", "block_n", "block_k", "num_warps"),
                          ("us_per_call", "weight_gb_per_s", "max_rel_err", "status")),
-    "profile": Table(("case", "batch", "stage", "mode"), ("wall_ms", "kernel_ms", "kernels_per_call")),
+    "profile": Table(
+        ("case", "batch", "stage", "mode"), ("wall_ms", "kernel_ms", "kernels_per_call", "device_busy_ms", "lead_ms")
+    ),
     "prefix_parts": Table(("part", "case", "variant"), ("us_per_call", "tflops", "tb_per_s")),
+    "attention_variants": Table(
+        ("site", "case", "env_batch", "variant", "block_m", "block_n", "num_stages"),
+        ("us_per_call", "tflops", "routed", "max_rel_err", "status"),
+    ),
     "geglu_variants": Table(
         ("case", "variant", "num_stages", "gelu"), ("us_per_call", "tflops", "max_rel_err", "status")
     ),

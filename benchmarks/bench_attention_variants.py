@@ -64,9 +64,8 @@ def measure(site: str, case: str, batch: int, device: torch.device) -> list[dict
         ref = attention.attend(q.float(), k.float(), v.float(), x["valid"], scale, "eager")
     mask = attention.additive_mask(x["valid"], torch.float32)
     scores = batch * shape["heads"] * shape["queries"] * shape["keys"]
-    useful = 4 * shape["heads"] * shape["head_dim"] * float((x["lengths"].float() * shape["queries"]).sum())
-    if site == "prefix":  # only the valid queries' rows are used downstream, but every row is computed
-        useful = 4 * shape["heads"] * shape["head_dim"] * shape["queries"] * float(x["lengths"].float().sum())
+    # every query row (the prefix's padded ones too) against each row's valid keys
+    useful = 4 * shape["heads"] * shape["head_dim"] * shape["queries"] * float(x["lengths"].float().sum())
     calls = [("triton", lambda: attention_kernel.attend(q, k, v, mask, scale))]
     if site == "expert":
         large = attention_kernel.LARGE_TILES

@@ -15,7 +15,7 @@ from typing import Any
 import numpy as np
 from gymnasium.vector import VectorEnv, VectorWrapper
 
-from wrappers.freeze import THAW_OPTION
+from wrappers.freeze import THAW_OPTION, set_read_every
 
 FINAL_OBS_KEYS = ("final_obs", "final_observation")
 """SAME_STEP keys of terminal observations (gymnasium 1.x, and the 0.29 naming ManiSkill keeps)."""
@@ -69,6 +69,10 @@ class FrameRecorder(VectorWrapper):
         """One sub-env's cameras (name -> (H, W, 3)) side by side; cameras of another height are left out."""
         rows = [_numpy(image).astype(np.uint8, copy=False) for image in images.values()]
         return np.concatenate([i for i in rows if i.shape[0] == rows[0].shape[0]], axis=1)
+
+    def set_read_every(self, chunk: int) -> None:
+        """Keeps the env rendering every step whatever chunk the driver reads (`wrappers.freeze.set_read_every`)."""
+        set_read_every(self.env, 1)
 
     def reset(self, *, seed: Any = None, options: dict[str, Any] | None = None) -> tuple[Any, dict[str, Any]]:
         """Resets the env; armed sub-envs that really reset start a new clip with their reset frame."""

@@ -39,6 +39,15 @@ How `PolicyVectorEnv` uses one
 `start_freezing(env)` checks the flag (raising a `ValueError` that says how to build a freezable env when it
 is missing) and switches freezing on; `is_freezable(env)` only reads ``env.metadata.get(FREEZABLE_KEY)``.
 
+Reading schedule (render on demand)
+-----------------------------------
+Thawing resets happen only at chunk boundaries, so every live sub-env's env steps since its last reset count
+the sub-steps of the current chunk. `set_read_every(env, C)`, which `PolicyVectorEnv` calls once after
+`start_freezing`, tells an env that offers ``set_read_every(C)`` that the observations anyone reads are those
+of resets, of the step ending an episode, and of every C-th step since a reset (the chunk's last sub-step);
+the images of other steps may be left stale (the state vector is always current). An env without the method
+renders every step, as before; a recorder that needs every frame passes 1 down.
+
 Example:
     >>> import gymnasium as gym
     >>> venv = make_freezable_vector_env([lambda: gym.make("CartPole-v1")] * 2)
@@ -63,6 +72,8 @@ from wrappers.bounded_async import DEFAULT_TIMEOUT_S, BoundedAsyncVectorEnv
 
 FREEZABLE_KEY = "phyai_gym.freezable"
 """Metadata key: True when every sub-env freezes after it finishes (rules 1-3 above)."""
+READ_EVERY_KEY = "phyai_gym.read_every"
+"""Metadata key: True when every sub-env has ``set_read_every(chunk)`` (needed to find it behind AsyncVectorEnv)."""
 THAW_OPTION = "phyai_gym.thaw"
 """Reset option: when true, a frozen sub-env is really reset; otherwise the reset is ignored."""
 
@@ -227,6 +238,45 @@ def start_freezing(env: VectorEnv, argument: str = "env") -> None:
             "FreezeOnDone sub-envs. Fix: give the vector env (or a wrapper of it) a start_freezing() method "
             "that switches rules 1-3 of wrappers.freeze on, or build it with make_freezable_vector_env."
         )
+
+
+def set_read_every(env: VectorEnv, chunk: int) -> bool:
+    """Tells `env` that only resets, episode ends and every `chunk`-th step since a reset are read.
+
+    Walks down vector wrappers to the first level with a ``set_read_every()`` method (or to a Sync/AsyncVectorEnv
+    whose sub-envs have one) and calls it. Returns False, changing nothing, when no level has one.
+
+    Example:
+        >>> import gymnasium as gym
+        >>> venv = make_freezable_vector_env([lambda: gym.make("CartPole-v1")])
+        >>> set_read_every(venv, 5)   # CartPole has no images: it keeps computing every observation
+        False
+        >>> venv.close()
+    """
+    level: Any = env
+    while not callable(getattr(type(level), "set_read_every", None)) and isinstance(level, VectorWrapper):
+        level = level.env
+    if callable(getattr(type(level), "set_read_every", None)):
+        level.set_read_every(chunk)
+        return True
+    if isinstance(level, SyncVectorEnv):
+        if not all(_has_attr(sub_env, "set_read_every") for sub_env in level.envs):
+            return False
+        for sub_env in level.envs:
+            sub_env.get_wrapper_attr("set_read_every")(chunk)
+        return True
+    if isinstance(level, AsyncVectorEnv) and level.metadata.get(READ_EVERY_KEY):
+        level.call("set_read_every", chunk)
+        return True
+    return False
+
+
+def _has_attr(env: gym.Env, name: str) -> bool:
+    try:
+        env.get_wrapper_attr(name)
+    except AttributeError:
+        return False
+    return True
 
 
 def require_freezable(env: VectorEnv, argument: str = "env") -> None:

@@ -35,7 +35,7 @@ from policies.base import BatchSizePolicy, Policy, PolicyOutput, StreamPolicy
 from policies.checks import check_int
 from wrappers._chunk import ChunkResult, ChunkRunner, concat, take_rows, to_numpy_tree
 from wrappers.episode_statistics import EpisodeStatistics
-from wrappers.freeze import FREEZABLE_KEY, require_freezable, start_freezing
+from wrappers.freeze import FREEZABLE_KEY, require_freezable, set_read_every, start_freezing
 from wrappers.pipeline import CallSettings, EnvPipeline
 
 CANONICAL_KEYS = ("images", "state", "task")
@@ -54,8 +54,11 @@ def _check_canonical(keys: Sequence[str], where: str) -> None:
         )
 
 
-def enable_freezing(envs: Sequence[VectorEnv]) -> None:
+def enable_freezing(envs: Sequence[VectorEnv], chunk: int) -> None:
     """The one place where `PolicyVectorEnv` switches on the freezing of the envs it drives (DESIGN C2).
+
+    It also tells each env its reading schedule (`wrappers.freeze.set_read_every`): the policy reads the
+    observation of every `chunk`-th step since a reset, so an env that renders on demand skips the rest.
 
     Chunk execution needs a finished sub-env to stay untouched until the chunk boundary, while a vector env
     used on its own keeps the autoreset mode it declares; every env here has passed `require_freezable`, and
@@ -64,6 +67,7 @@ def enable_freezing(envs: Sequence[VectorEnv]) -> None:
     """
     for env in envs:
         start_freezing(env)
+        set_read_every(env, chunk)
 
 
 class PolicyVectorEnv(VectorWrapper):
@@ -135,7 +139,7 @@ class PolicyVectorEnv(VectorWrapper):
         self.action_chunk = self._check_chunk(action_chunk)
         self._setup_spaces(envs[0])
         self._pipeline = EnvPipeline(envs, policy, prefetch=prefetch, env_concurrency=env_concurrency)
-        enable_freezing(envs)
+        enable_freezing(envs, self.action_chunk)
         if isinstance(policy, BatchSizePolicy):
             policy.declare_batch_sizes(self._pipeline.batch_sizes)
         self._stats = EpisodeStatistics(self._num_envs) if episode_statistics else None

@@ -259,8 +259,9 @@ class ChunkRunner:
                     success_any, success_end = torch.zeros_like(live), torch.zeros_like(live)
                 success_any = success_any | (success & live)
                 success_end = torch.where(live, success, success_end)
-            if not self.is_numpy or bool(ended.any()):
+            if self.is_numpy and bool(ended.any()):
                 final_obs = rows_where(ended, self._terminal_obs(obs, info, ended), final_obs)
+            if not self.is_numpy or bool(ended.any()):
                 final_info = merge_info_rows(final_info, info.get(FINAL_INFO_KEY, info), ended)
                 terminated |= ended & term
                 truncated |= ended & trunc
@@ -271,6 +272,8 @@ class ChunkRunner:
                     self.env.reset(options={"reset_mask": ended.cpu().numpy()})
             if self.is_numpy and not bool(live.any()):
                 break
+        if not self.is_numpy:  # batched envs: a frozen row replays its terminal observation to the chunk's end
+            final_obs = rows_where(terminated | truncated, obs, final_obs)  # (rule 1), rendered there on demand
         result = ChunkResult(
             obs, info, substep_rewards.sum(1), terminated, truncated, substep_mask, substep_rewards,
             final_obs, final_info, success_any, success_end,

@@ -27,6 +27,8 @@ ENVS: tuple[str, ...] = (
     "PickCube-v1",
     "PushCube-v1",
     "StackCube-v1",
+    "mjwarp_pick_cube",
+    "mjwarp_push_cube",
 )
 """The names the table lists (every Gymnasium MuJoCo id and ManiSkill3 task id works the same way)."""
 START, END = "<!-- env-table:start (python -m phyai_gym.env_table --write) -->", "<!-- env-table:end -->"
@@ -42,6 +44,7 @@ _SIMULATORS = {
     "mujoco": "MuJoCo (Gymnasium)",
     "libero": "LIBERO (robosuite)",
     "maniskill": "ManiSkill3 (SAPIEN)",
+    "mujoco_warp": "MuJoCo Warp (GPU-batched)",
 }
 
 

@@ -1,7 +1,8 @@
 """`make_env` and `make_policy`: one name (or checkpoint folder) in, a ready vector env or PI0.5 policy out.
 
 Env names: ``"scripted"`` and ``"target"`` (small test tasks), a Gymnasium MuJoCo id (``"Pusher-v5"``), a
-LIBERO suite (``"libero_spatial"``, ...) or a ManiSkill3 task id (``"PickCube-v1"``, ...). Simulator
+LIBERO suite (``"libero_spatial"``, ...), a ManiSkill3 task id (``"PickCube-v1"``, ...) or a GPU-batched MuJoCo
+Warp Panda task (``"mjwarp_pick_cube"``, ``"mjwarp_push_cube"``). Simulator
 adapters are imported only when asked for; a missing simulator raises an `ImportError` naming the extra.
 
 Policies: ``make_policy()`` gives a tiny PI0.5 with random weights (fixed seed) and the locally built
@@ -28,11 +29,15 @@ from policies.pi05.scheduler import SchedulerConfig
 TEST_ENVS: tuple[str, ...] = ("scripted", "target")
 """Envs built in-process without a simulator."""
 LIBERO_PREFIX = "libero_"
+WARP_PREFIX = "mjwarp_"
+"""MuJoCo Warp tasks: ``mjwarp_`` + a key of `wrappers.adapters.panda_tasks.TASKS`."""
+WARP_ENVS: tuple[str, ...] = ("mjwarp_pick_cube", "mjwarp_push_cube")
 MODEL_FILE = "model.safetensors"
 _EXTRAS = {
     "mujoco": "pip install 'phyai-gym[sim]' (gymnasium[mujoco])",
     "libero": "pip install 'phyai-gym[libero]'",
     "maniskill": "pip install 'phyai-gym[maniskill]'",
+    "mujoco_warp": "pip install 'phyai-gym[warp]' (mujoco-warp, warp-lang, the Panda assets wheel)",
 }
 
 
@@ -42,7 +47,7 @@ class EnvSpec:
 
     Attributes:
         name: the name as given.
-        kind: "scripted", "target", "mujoco", "libero" or "maniskill".
+        kind: "scripted", "target", "mujoco", "libero", "maniskill" or "mujoco_warp".
     """
 
     name: str
@@ -72,6 +77,8 @@ def resolve_env(name: str) -> EnvSpec:
         return EnvSpec(name, name)
     if name.startswith(LIBERO_PREFIX):
         return EnvSpec(name, "libero")
+    if name in WARP_ENVS:
+        return EnvSpec(name, "mujoco_warp")
     if name in _mujoco_ids():
         return EnvSpec(name, "mujoco")
     if name in _maniskill_ids() or _registered_maniskill(name):
@@ -80,7 +87,7 @@ def resolve_env(name: str) -> EnvSpec:
     raise ValueError(
         f"unknown env {name!r}. Expected one of: {', '.join(TEST_ENVS)}; a Gymnasium MuJoCo id ({mujoco}); "
         f"a LIBERO suite (libero_spatial, libero_object, libero_goal, libero_10, libero_90); or a ManiSkill3 "
-        f"task id ({', '.join(_maniskill_ids()[:6])}, ...)."
+        f"task id ({', '.join(_maniskill_ids()[:6])}, ...); or a MuJoCo Warp task ({', '.join(WARP_ENVS)})."
     )
 
 
@@ -151,6 +158,8 @@ def make_env(
         from wrappers.adapters.mujoco import make_mujoco_env
 
         return make_mujoco_env(name, num_envs=num_envs, vectorization=vectorization, **size, **limit, **kwargs)  # type: ignore[arg-type]
+    if spec.kind == "mujoco_warp":
+        return _make_warp_env(name, num_envs, vectorization, size, limit, kwargs)
     adapter = "libero" if spec.kind == "libero" else "maniskill"
     try:
         module = importlib.import_module(f"wrappers.adapters.{adapter}")
@@ -159,6 +168,21 @@ def make_env(
     if spec.kind == "libero":
         return module.make_libero_env(name, num_envs=num_envs, vectorization=vectorization, **size, **limit, **kwargs)
     return module.make_maniskill_env(name, num_envs=num_envs, vectorization=vectorization, **size, **limit, **kwargs)
+
+
+def _make_warp_env(
+    name: str, num_envs: int, vectorization: str, size: dict[str, int], limit: dict[str, int], kwargs: dict[str, Any]
+) -> VectorEnv:
+    if vectorization not in ("sync", "auto", "warp"):
+        raise ValueError(
+            f"make_env: vectorization={vectorization!r} does not apply to {name!r}, whose worlds are one batch on the "
+            "device. Fix: leave vectorization unset."
+        )
+    try:
+        from wrappers.adapters.mujoco_warp import make_mujoco_warp_env
+    except ImportError as error:
+        raise ImportError(f"env {name!r} needs MuJoCo Warp ({error}). Fix: {_EXTRAS['mujoco_warp']}.") from error
+    return make_mujoco_warp_env(name.removeprefix(WARP_PREFIX), num_envs, **size, **limit, **kwargs)
 
 
 def standin_tokenizer() -> Path:

@@ -394,6 +394,10 @@ class MujocoWarpVectorEnv(VectorEnv):
         info = {"success": success, "is_success": success.clone(), "elapsed_steps": self._elapsed.clone()}
         return self._obs(), reward, terminated, truncated, info
 
+    def get_attr(self, name: str) -> tuple[Any, ...]:
+        """``getattr(self, name)`` once per world (what Gymnasium's vector envs return for sub-env attributes)."""
+        return (getattr(self, name),) * self.num_envs
+
     def close(self, **kwargs: Any) -> None:
         """Releases the simulator's device buffers."""
         self._images = {}

@@ -1,0 +1,156 @@
+"""GPU-batched simulation (MuJoCo Warp Panda tasks) with and without PI0.5: env-steps/s and where a step goes.
+
+Rows (one JSONL each, under results/ or --out):
+  batched_sim_env_only  N worlds stepped with random actions, 2 cameras at 224: physics (+ controller and rules),
+                        render, env-steps/s rendering every step and on demand (one render per chunk of C).
+  batched_sim_rollout   `PolicyVectorEnv` over the env with the full-size PI0.5 (LIBERO RL setting: 2 cameras,
+                        K = 5, H = 10, C = 5): env-steps/s of the loop, policy_ms_p50 (one act() on the chunk's
+                        observation), sim_ms_p50 and render_ms_p50 per chunk, the simulator's share of a step, and
+                        the policy-alone rate at the same N.
+  batched_sim_startup   seconds from the constructor to the first observation, cold (empty kernel cache) and
+                        warm (the cache the cold run filled); --startup runs one start and prints its row.
+
+    python -m benchmarks.bench_batched_sim --sizes 64 256 1024 --config base      # on a GPU
+    python -m benchmarks.bench_batched_sim --sizes 4 --config tiny --image-size 64 --device cpu   # a smoke run
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from benchmarks.common import ROOT, build_pi05, percentiles, synchronize, write_rows
+
+CAMERA_MAP = {"image": "base_0_rgb", "wrist_image": "left_wrist_0_rgb"}
+MANISKILL_PUBLISHED = "ManiSkill3 PickCube-v1, 1 camera 128x128, 4096 envs, RTX 4090: 18,549 FPS (its docs)"
+
+
+def _timed(fn: Any, device: torch.device) -> float:
+    synchronize(device)
+    start = time.perf_counter()
+    fn()
+    synchronize(device)
+    return (time.perf_counter() - start) * 1e3
+
+
+def env_only(task: str, n: int, image_size: int, chunk: int, device: torch.device, iters: int) -> list[dict]:
+    """Physics, render and on-demand rates of the env alone."""
+    from wrappers.adapters.mujoco_warp import make_mujoco_warp_env
+
+    env = make_mujoco_warp_env(task, n, image_size=image_size, device=device)
+    env.reset(seed=0)
+    actions = torch.rand(iters + 2, n, 7, device=device) * 2 - 1
+    rows = []
+    for read_every in (1, chunk):
+        env.set_read_every(read_every)
+        env.reset(seed=0)
+        steps = [_timed(lambda a=a: env.step(a), device) for a in actions]
+        renders = [_timed(env._render, device) for _ in range(iters)]
+        step_p50 = percentiles(steps[2:])[0]
+        rows.append(dict(
+            sim="mujoco_warp", task=task, num_envs=n, cameras=len(env.cameras), image_size=image_size,
+            render="every_step" if read_every == 1 else f"every_{chunk}", step_ms_p50=step_p50,
+            render_ms_p50=percentiles(renders)[0], env_steps_per_s=n / step_p50 * 1e3,
+            images_per_s=n * len(env.cameras) / percentiles(renders)[0] * 1e3, startup_s=env.startup_s,
+            published_anchor=MANISKILL_PUBLISHED,
+        ))  # fmt: skip
+    env.close()
+    return rows
+
+
+def rollout(task: str, n: int, image_size: int, chunk: int, config: str, device: torch.device, iters: int) -> dict:
+    """The PolicyVectorEnv loop with PI0.5, and its parts at the same N."""
+    from wrappers.adapters.mujoco_warp import make_mujoco_warp_env
+    from wrappers.policy_vector_env import PolicyVectorEnv
+
+    env = make_mujoco_warp_env(task, n, image_size=image_size, device=device)
+    policy = build_pi05(config, device, CAMERA_MAP, [n], 5, 10, chunk, state_dim=env.task.state_dim)
+    loop = PolicyVectorEnv(env, policy, action_chunk=chunk)
+    obs, _ = loop.reset(seed=0)
+    for _ in range(2):
+        loop.step()
+    totals = [_timed(loop.step, device) for _ in range(iters)]
+    policy_ms = [_timed(lambda: policy.act(obs, action_chunk=chunk), device) for _ in range(iters)]
+    actions = torch.rand(chunk, n, 7, device=device) * 2 - 1
+    renders_before = env.render_count
+    sim_ms = [_timed(lambda: [env.step(a) for a in actions], device) for _ in range(iters)]
+    chunks_rendered = (env.render_count - renders_before) / iters
+    render_ms = [_timed(env._render, device) for _ in range(iters)]
+    total, pol, sim, ren = (percentiles(x)[0] for x in (totals, policy_ms, sim_ms, render_ms))
+    sim_only = sim - ren * chunks_rendered  # physics, controller and rules of C sub-steps
+    return dict(
+        sim="mujoco_warp", task=task, config=config, num_envs=n, chunk=chunk, cameras=len(env.cameras),
+        image_size=image_size, env_steps_per_s=n * chunk / total * 1e3, step_ms_p50=total, policy_ms_p50=pol,
+        sim_ms_p50=sim_only, render_ms_p50=ren * chunks_rendered, simulator_share=(sim_only + ren) / total,
+        policy_alone_samples_per_s=n / pol * 1e3, policy_alone_env_steps_per_s=n * chunk / pol * 1e3,
+    )  # fmt: skip
+
+
+def startup(task: str, image_size: int, device: torch.device) -> dict:
+    """Seconds to the first observation of a new process (the kernel cache as the environment leaves it)."""
+    started = time.perf_counter()
+    from wrappers.adapters.mujoco_warp import make_mujoco_warp_env
+
+    env = make_mujoco_warp_env(task, 16, image_size=image_size, device=device)
+    env.reset(seed=0)
+    env.step(torch.zeros(16, 7, device=device))
+    synchronize(device)
+    return dict(sim="mujoco_warp", task=task, image_size=image_size, first_step_s=time.perf_counter() - started,
+                constructor_s=env.startup_s)  # fmt: skip
+
+
+def startup_rows(task: str, image_size: int, device: torch.device, out: Path | None) -> None:
+    """A cold start in a fresh kernel cache, then a warm one reusing it, each in its own process."""
+    rows = []
+    with tempfile.TemporaryDirectory() as cache:
+        for cache_state in ("cold", "warm"):
+            env = {**os.environ, "WARP_CACHE_PATH": cache}
+            cmd = [sys.executable, "-m", "benchmarks.bench_batched_sim", "--startup", "--task", task,
+                   "--image-size", str(image_size), "--device", str(device)]  # fmt: skip
+            done = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=900, check=True)
+            rows.append({**json.loads(done.stdout.strip().splitlines()[-1]), "kernel_cache": cache_state})
+    write_rows("batched_sim_startup", rows, out)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--task", default="pick_cube", help="pick_cube or push_cube (default pick_cube)")
+    parser.add_argument("--sizes", type=int, nargs="+", default=[64, 256, 1024], help="worlds N (default 64 256 1024)")
+    parser.add_argument("--env-only-sizes", type=int, nargs="*", default=None, help="N for env-only rows (default --sizes)")
+    parser.add_argument("--config", default="base", help="policy size: base (bf16) or tiny (default base)")
+    parser.add_argument("--image-size", type=int, default=224, help="camera side (default 224)")
+    parser.add_argument("--chunk", type=int, default=5, help="C, env steps per policy call (default 5)")
+    parser.add_argument("--iters", type=int, default=10, help="timed repetitions (default 10)")
+    parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu", help="cuda or cpu")
+    parser.add_argument("--sections", nargs="+", default=["env_only", "rollout", "startup"],
+                        help="env_only rollout startup (default all)")  # fmt: skip
+    parser.add_argument("--startup", action="store_true", help="(internal) one start-up measurement, printed")
+    parser.add_argument("--out", type=Path, default=None, help="folder for the JSONL rows (default results/)")
+    args = parser.parse_args()
+    device = torch.device(args.device)
+    if args.startup:
+        print(json.dumps(startup(args.task, args.image_size, device)))
+        return
+    if "env_only" in args.sections:
+        for n in args.env_only_sizes if args.env_only_sizes is not None else args.sizes:
+            write_rows("batched_sim_env_only", env_only(args.task, n, args.image_size, args.chunk, device, args.iters),
+                       args.out)  # fmt: skip
+    if "rollout" in args.sections:
+        for n in args.sizes:
+            row = rollout(args.task, n, args.image_size, args.chunk, args.config, device, args.iters)
+            write_rows("batched_sim_rollout", [row], args.out)
+    if "startup" in args.sections:
+        startup_rows(args.task, args.image_size, device, args.out)
+
+
+if __name__ == "__main__":
+    main()

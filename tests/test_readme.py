@@ -71,7 +71,7 @@ SKIPPED = {
     "bash .ci/run": f"{SUITE}, plus ruff",
     "python3 -m pytest -q": SUITE,
 }
-NAMES = {"phyai-gym", "phyai-gym eval", "apt-get install", "pip"}  # inline mentions in prose, not commands
+NAMES = {"phyai-gym", "apt-get install", "pip"}  # inline mentions in prose, not commands
 
 
 def readme_commands(text: str) -> list[str]:

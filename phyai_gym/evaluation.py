@@ -12,7 +12,8 @@ steps, seed, env, tasks, project commit); a restart whose defining fields differ
 
 Every row holds both success conventions: ``success_once`` (success at any step of the episode) and
 ``success_at_end`` (success at its last step; ManiSkill reports both). The protocol names its primary metric
-(``header["primary_metric"]``), which is the row's ``success`` and the table's success rate.
+(``header["primary_metric"]``), which is the row's ``success`` and the table's success rate. An env that reports
+no success flag (Gymnasium MuJoCo) gets ``None`` in all three, and its success rates are n/a, not 0.
 """
 
 from __future__ import annotations
@@ -333,9 +334,9 @@ def evaluate_success(
             ``PolicyVectorEnv(FrameRecorder(make_env(...)), policy, ...)``.
         on_episode: called with every new row.
         progress: a progress-bar factory (optional), e.g. ``functools.partial(tqdm, desc="eval")``, called once
-            as ``progress(total=..., initial=..., unit=...)``; it returns a tqdm-like bar (``update``, ``close``;
-            ``total``, ``refresh`` and ``set_postfix_str`` are used where present), closed when the call ends or
-            raises. With an episode limit it counts env steps (unit "step") and advances every chunk: the total
+            as ``progress(total=..., initial=..., unit=...)``; it returns a tqdm-like bar (``update``, ``close``, a
+            settable ``total``; ``set_postfix_str`` where present), closed when the call ends or raises. With an
+            episode limit it counts env steps (unit "step") and advances every chunk: the total
             is the finished episodes' lengths plus the limit for every episode still to run, and shrinks when an
             episode ends early, so the ETA holds from the first chunk; the postfix counts episodes. Without a
             limit it counts episodes. With a bar, the plan (tasks x episodes per task) is printed first, and a

@@ -15,6 +15,9 @@ from tqdm import tqdm
 from phyai_gym import PolicyVectorEnv, evaluate_success, make_env, make_policy
 from phyai_gym.cli import written_files
 from phyai_gym.evaluation import format_table
+from phyai_gym.make import resolve_env
+from phyai_gym.protocols import protocol_for_preset
+from phyai_gym.run import episode_limit
 from phyai_gym.threads import configure_threads
 
 parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
@@ -36,8 +39,13 @@ else:
 envs = PolicyVectorEnv(env, policy, action_chunk=1 if args.env == "target" else None, deterministic=True)
 
 libero = args.env.startswith("libero_")  # LIBERO: episodes use the suite's fixed initial states
-bar = functools.partial(tqdm, desc="episodes", unit="ep", file=sys.stderr)  # total, ETA; a resume starts it at N
-result = evaluate_success(envs, args.episodes, out_dir=args.out, seed=0, init_state_option=libero, progress=bar)
+protocol = protocol_for_preset(args.preset, resolve_env(args.env).kind)  # named in the header and the table
+header = {"env": args.env, "protocol": protocol.name, "checkpoint": args.checkpoint}
+bar = functools.partial(tqdm, desc="eval", file=sys.stderr)  # env steps with an ETA; a resume starts at N
+result = evaluate_success(
+    envs, args.episodes, header=header, out_dir=args.out, seed=0, primary_metric=protocol.primary_metric,
+    init_state_option=libero, progress=bar, episode_limit=episode_limit(env),  # sizes the bar in env steps
+)  # fmt: skip
 envs.close()
 print(format_table(result))
 overall = result.overall

@@ -18,33 +18,61 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from phyai_gym.run import POLICIES, RunConfig
+from phyai_gym.protocols import list_protocols
+from phyai_gym.run import POLICIES, PRESETS, RunConfig
 
 EPISODES_FILE, RESULTS_FILE = "episodes.jsonl", "results.csv"  # phyai_gym.evaluation's names, without its imports
 
 
+class _HelpFormatter(argparse.HelpFormatter):
+    """Appends ``(default: X)`` to every option whose default is a value (not None / False) and not yet in its help."""
+
+    def _get_help_string(self, action: argparse.Action) -> str:
+        help_text = action.help or ""
+        if "default" in help_text or action.default in (None, False, argparse.SUPPRESS) or not action.option_strings:
+            return help_text
+        return f"{help_text} (default: %(default)s)"
+
+
 def _add_policy_env_arguments(parser: argparse.ArgumentParser, default_env: str | None) -> None:
     env_help = "'scripted', 'target', a Gymnasium MuJoCo id (Pusher-v5), a LIBERO suite or a ManiSkill task id"
+    if default_env is None:
+        env_help += " (required: an evaluation names what it measures)"
     parser.add_argument("--env", default=default_env, required=default_env is None, help=env_help)
     parser.add_argument("--num-envs", type=int, default=4, help="N, sub-envs")
     parser.add_argument("--seed", type=int, default=0, help="env i and its policy stream get seed + i")
     parser.add_argument("--checkpoint", default=None, help="PI0.5 checkpoint folder (safetensors)")
-    parser.add_argument("--preset", default=None, help="processor preset of the checkpoint")
     parser.add_argument(
-        "--policy", choices=POLICIES, default=None, help="policy without a checkpoint (random weights; run: tiny)"
+        "--preset", default=None, choices=PRESETS, metavar="PRESET",
+        help=f"processor preset of the checkpoint: {', '.join(PRESETS)} (default: inferred from the checkpoint)",
+    )  # fmt: skip
+    parser.add_argument(
+        "--policy", choices=POLICIES, default=None,
+        help=f"policy without a checkpoint, random weights: {', '.join(POLICIES)} (default: tiny when no --checkpoint)",
+    )  # fmt: skip
+    parser.add_argument(
+        "--action-chunk", type=int, default=None,
+        help="C, env steps per policy call (default: the preset's or protocol's, else 5)",
+    )  # fmt: skip
+    parser.add_argument("--device", default="cpu", help="torch device of the policy (cpu, cuda, cuda:1)")
+    parser.add_argument("--image-size", type=int, default=None, help="rendered image side (default: the env's, 224)")
+    parser.add_argument(
+        "--max-episode-steps", type=int, default=None, help="episode limit override (default: the env's or preset's)"
     )
-    parser.add_argument("--action-chunk", type=int, default=None, help="C, env steps per policy call")
-    parser.add_argument("--device", default="cpu", help="torch device of the policy")
-    parser.add_argument("--image-size", type=int, default=None, help="rendered image side")
-    parser.add_argument("--max-episode-steps", type=int, default=None, help="episode limit override")
-    parser.add_argument("--vectorization", choices=["sync", "async"], default="sync")
+    parser.add_argument(
+        "--vectorization", choices=["sync", "async"], default="sync",
+        help="sync: the N sub-envs step one after another in this process; async: one worker process per "
+        "sub-env (gymnasium AsyncVectorEnv), faster when a sub-env step costs more than the process hand-over",
+    )  # fmt: skip
     parser.add_argument(
         "--threads", type=int, default=None, help="torch CPU threads (default: 1 for small policies on the CPU)"
     )
 
 
 def _add_run_parser(subparsers: Any) -> None:
-    parser = subparsers.add_parser("run", help="run a policy in a vector env and print what it does")
+    parser = subparsers.add_parser(
+        "run", help="run a policy in a vector env and print what it does", formatter_class=_HelpFormatter
+    )
     _add_policy_env_arguments(parser, default_env="Pusher-v5")
     parser.add_argument(
         "--chunks", type=int, default=None, help="policy calls of C env steps (default: until every env finished once)"
@@ -55,15 +83,26 @@ def _add_run_parser(subparsers: Any) -> None:
 
 
 def _add_eval_parser(subparsers: Any) -> None:
-    parser = subparsers.add_parser("eval", help="success rates over a fixed, resumable episode plan")
-    _add_policy_env_arguments(parser, default_env=None)
-    parser.add_argument("--episodes", type=int, default=None, help="episodes per task (default: the protocol's)")
-    parser.add_argument(
-        "--protocol", default=None, help="evaluation protocol (phyai_gym.protocols; default: the preset's, else phyai)"
+    parser = subparsers.add_parser(
+        "eval", help="success rates over a fixed, resumable episode plan", formatter_class=_HelpFormatter
     )
+    _add_policy_env_arguments(parser, default_env=None)
+    parser.add_argument(
+        "--episodes", type=int, default=None,
+        help="episodes PER TASK: a LIBERO suite has 10 tasks (libero_90: 90), so --episodes 2 plans 20 episodes; "
+        "a single-task env plans exactly this many (default: the protocol's)",
+    )  # fmt: skip
+    protocols = list(list_protocols())
+    parser.add_argument(
+        "--protocol", default=None, choices=protocols, metavar="PROTOCOL",
+        help=f"evaluation procedure: {', '.join(protocols)} (phyai_gym/protocols.py; default: the preset's, "
+        "else phyai)",
+    )  # fmt: skip
     parser.add_argument("--out", default=None, help="folder for episodes.jsonl, results.csv, videos (resumable)")
     parser.add_argument("--video", type=int, default=0, help="MP4s of the first K episodes (needs --out)")
-    parser.add_argument("--stochastic", action="store_true", help="sample with the rollout method (default: ODE)")
+    parser.add_argument(
+        "--stochastic", action="store_true", help="sample with the rollout method (default: deterministic ODE)"
+    )
     parser.add_argument("--task-ids", default=None, help="LIBERO task ids, comma-separated (default: all)")
     parser.add_argument(
         "--max-episodes-this-run", type=int, default=None, help="stop after this many new episodes (resume later)"
@@ -106,10 +145,17 @@ def _run(args: argparse.Namespace) -> int:
 def _eval(args: argparse.Namespace) -> int:
     from tqdm import tqdm
 
-    from phyai_gym.evaluation import evaluate_success, file_sha256, format_table, project_commit
+    from phyai_gym.evaluation import check_resume, evaluate_success, file_sha256, format_table, project_commit
     from phyai_gym.make import MODEL_FILE, check_checkpoint, check_preset, resolve_env
     from phyai_gym.protocols import get_protocol, protocol_for_preset
-    from phyai_gym.run import action_chunk_for, build_env, build_policy
+    from phyai_gym.run import (
+        action_chunk_for,
+        build_env,
+        build_policy,
+        building_policy_message,
+        check_state_fits,
+        phase,
+    )
     from phyai_gym.threads import configure_threads
     from policies.checks import check_int
     from wrappers import FrameRecorder, PolicyVectorEnv
@@ -140,19 +186,34 @@ def _eval(args: argparse.Namespace) -> int:
         weights = root / MODEL_FILE if (root / MODEL_FILE).is_file() else sorted(root.glob("*.safetensors"))[0]
         sha = file_sha256(weights)
     cfg = _config(args)
-    threads = configure_threads(args.threads, device=args.device, small_model=args.checkpoint is None)
     if cfg.action_chunk is None and protocol.action_chunk is not None:
         cfg = dataclasses.replace(cfg, action_chunk=protocol.action_chunk)
+    known_now = {  # the header fields known before the env and the policy are built: a resume is checked first
+        "env": args.env,
+        "policy": args.policy or "checkpoint",
+        "checkpoint_sha256": sha,
+        "protocol": protocol.name,
+        "primary_metric": protocol.primary_metric,
+        "seed": args.seed,
+        "deterministic": not args.stochastic,
+        **({"action_chunk": cfg.action_chunk} if cfg.action_chunk is not None else {}),
+    }
+    check_resume(args.out, known_now, episodes)
+    threads = configure_threads(args.threads, device=args.device, small_model=args.checkpoint is None)
     env_kwargs = dict(protocol.env_kwargs)
     if args.task_ids is not None:
         env_kwargs["task_ids"] = [int(t) for t in args.task_ids.split(",")]
-    env = build_env(cfg, args.preset) if not env_kwargs else _protocol_env(cfg, env_kwargs)
+    print(threads)
+    with phase(f"loading the simulator: {args.env} x {args.num_envs}"):
+        env = build_env(cfg, args.preset) if not env_kwargs else _protocol_env(cfg, env_kwargs)
     if args.video:
         env = FrameRecorder(env)  # every env step, not one frame per chunk
     try:
-        policy, description = build_policy(cfg, int(env.single_action_space.shape[0]))
-        chunk = action_chunk_for(cfg, policy)
-        wrapper = PolicyVectorEnv(env, policy, action_chunk=chunk, deterministic=not args.stochastic)
+        with phase(building_policy_message(cfg)):
+            policy, description = build_policy(cfg, int(env.single_action_space.shape[0]))
+            check_state_fits(cfg, env, policy)
+            chunk = action_chunk_for(cfg, policy)
+            wrapper = PolicyVectorEnv(env, policy, action_chunk=chunk, deterministic=not args.stochastic)
     except BaseException:
         env.close()
         raise
@@ -172,11 +233,13 @@ def _eval(args: argparse.Namespace) -> int:
         "num_envs": args.num_envs,
         "commit": project_commit(),
     }
-    print(threads)
     print(f"policy: {description}")
     print(f"protocol: {protocol.name} (primary metric: {protocol.primary_metric})")
-    print(f"env={args.env} num_envs={args.num_envs} action_chunk={chunk} episodes per task={episodes}")
-    bar = functools.partial(tqdm, desc="episodes", unit="ep", file=sys.stderr, dynamic_ncols=True)
+    print(
+        f"env={args.env} num_envs={args.num_envs} action_chunk={chunk} episode_limit={limit} "
+        f"episodes per task={episodes}"
+    )
+    bar = functools.partial(tqdm, desc="eval", file=sys.stderr, dynamic_ncols=True)
     interrupted = False
     try:
         result = evaluate_success(
@@ -200,6 +263,11 @@ def _eval(args: argparse.Namespace) -> int:
         print(f"interrupted; finished episodes {where}; run the same command again to resume.")
         return 130
     print(format_table(result))
+    if result.rows and all(row["success"] is None for row in result.rows):
+        print(
+            f"success: n/a -- {args.env} reports no success flag, so no success rate is measured (not 0); "
+            "returns and lengths are. Success rates need an env with one: LIBERO, ManiSkill, 'target', 'scripted'."
+        )
     planned = len(result.header["tasks"]) * episodes
     status = "complete" if result.complete else f"partial ({len(result.rows)}/{planned}; rerun to resume)"
     print(f"episodes: {status}")
@@ -253,13 +321,20 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    """Entry point of the ``phyai-gym`` console script; option errors exit with status 2 and a remedy."""
+    """Entry point of the ``phyai-gym`` console script.
+
+    Option errors exit with status 2 and a remedy, Ctrl-C with status 130 and a one-line message.
+    """
     parser = build_parser()
     args = parser.parse_args(argv)
     try:
         return int(args.handler(args))
     except (ValueError, FileNotFoundError, ImportError) as error:
         parser.exit(2, f"phyai-gym {args.command}: error: {error}\n")
+    except KeyboardInterrupt:  # Ctrl-C outside eval's episode loop (which handles its own): a message, no traceback
+        what = {"run": "run writes no files, so nothing is lost"}.get(args.command, "rerun the same command to resume")
+        print(f"\nphyai-gym {args.command}: interrupted (Ctrl-C); {what}.", file=sys.stderr)
+        return 130
 
 
 if __name__ == "__main__":

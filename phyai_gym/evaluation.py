@@ -12,7 +12,8 @@ steps, seed, env, tasks, project commit); a restart whose defining fields differ
 
 Every row holds both success conventions: ``success_once`` (success at any step of the episode) and
 ``success_at_end`` (success at its last step; ManiSkill reports both). The protocol names its primary metric
-(``header["primary_metric"]``), which is the row's ``success`` and the table's success rate.
+(``header["primary_metric"]``), which is the row's ``success`` and the table's success rate. An env that reports
+no success flag (Gymnasium MuJoCo) gets ``None`` in all three, and its success rates are n/a, not 0.
 """
 
 from __future__ import annotations
@@ -97,7 +98,8 @@ def wilson_interval(successes: int, n: int, z: float = 1.959964) -> tuple[float,
     denom = 1.0 + z * z / n
     centre = (p + z * z / (2 * n)) / denom
     half = z * math.sqrt(p * (1 - p) / n + z * z / (4 * n * n)) / denom
-    return max(0.0, centre - half), min(1.0, centre + half)
+    # the interval contains p: at p = 1 float rounding put the upper bound at 0.9999999999999999
+    return max(0.0, min(p, centre - half)), min(1.0, max(p, centre + half))
 
 
 def file_sha256(path: str | Path) -> str:
@@ -185,9 +187,11 @@ def summarize(rows: Sequence[dict[str, Any]], tasks: Sequence[str]) -> tuple[lis
 
     def one(name: str, group: Sequence[dict[str, Any]]) -> TaskResult:
         n, k = len(group), sum(bool(r["success"]) for r in group)
-        low, high = wilson_interval(k, n)
-        mean = lambda key: float(np.mean([r.get(key, np.nan) for r in group])) if group else float("nan")
-        rate = k / n if n else float("nan")
+        measured = [r for r in group if r["success"] is not None]  # None: the env reports no success flag
+        low, high = wilson_interval(k, len(measured)) if measured else (float("nan"), float("nan"))
+        nan_if_none = lambda v: np.nan if v is None else v
+        mean = lambda key: float(np.mean([nan_if_none(r.get(key)) for r in group])) if group else float("nan")
+        rate = k / len(measured) if measured else float("nan")
         return TaskResult(
             name, n, k, rate, low, high, mean("return"), mean("length"), mean("success_once"), mean("success_at_end")
         )
@@ -201,9 +205,11 @@ def format_table(result: EvalResult) -> str:
 
     ``success`` (with its Wilson interval) is the primary metric; ``once`` and ``at end`` are both conventions.
     """
-    protocol = result.header.get("protocol", "unnamed")
+    protocol = result.header.get("protocol", "none named (pass header={'protocol': ...})")
     primary = result.header.get("primary_metric", "success_once")
     lines = [f"protocol: {protocol} (primary metric: {primary})"]
+    if result.rows and all(r["success"] is None for r in result.rows):
+        lines[0] += f"; success n/a: {result.header.get('env', 'the env')} reports no success flag (returns measured)"
     lines.append(
         f"{'task':<48} {'episodes':>8} {'success':>8} {'95% CI (Wilson)':>17} {'once':>6} {'at end':>6} "
         f"{'return':>8} {'length':>7}"
@@ -211,11 +217,17 @@ def format_table(result: EvalResult) -> str:
     lines.append("-" * len(lines[1]))
     for r in [*result.tasks, result.overall]:
         name = r.task if len(r.task) <= 48 else r.task[:45] + "..."
+        ci = "n/a" if math.isnan(r.ci_low) else f"[{r.ci_low:>6.3f}, {r.ci_high:>6.3f}]"
         lines.append(
-            f"{name:<48} {r.episodes:>8d} {r.success_rate:>8.3f} [{r.ci_low:>6.3f}, {r.ci_high:>6.3f}] "
-            f"{r.success_once:>6.3f} {r.success_at_end:>6.3f} {r.mean_return:>8.3f} {r.mean_length:>7.1f}"
+            f"{name:<48} {r.episodes:>8d} {_rate(r.success_rate):>8} {ci:>17} {_rate(r.success_once):>6} "
+            f"{_rate(r.success_at_end):>6} {r.mean_return:>8.3f} {r.mean_length:>7.1f}"
         )
     return "\n".join(lines)
+
+
+def _rate(value: float) -> str:
+    """A rate with 3 decimals, or "n/a" where nothing was measured (nan)."""
+    return "n/a" if math.isnan(value) else f"{value:.3f}"
 
 
 def write_csv(result: EvalResult, path: Path) -> None:
@@ -244,10 +256,42 @@ def read_jsonl(path: Path) -> tuple[dict[str, Any] | None, list[dict[str, Any]]]
     return header, rows
 
 
-def _check_resume(old: dict[str, Any], new: dict[str, Any], path: Path) -> None:
-    """Refuses to resume into `path` unless every field of `HEADER_KEYS_CHECKED` matches (JSON-normalised)."""
+def check_resume(out_dir: str | Path | None, settings: dict[str, Any], episodes_per_task: int) -> None:
+    """Refuses, before anything is built, a run that cannot resume into `out_dir`'s episodes file.
+
+    `settings` holds the header fields known before the env and the policy exist (env, policy, checkpoint sha256,
+    protocol, seed, ...); only the `HEADER_KEYS_CHECKED` among them are compared, and `evaluate_success` compares
+    all of them again once the env and the policy are built. Also refused: a file that holds more episodes per
+    task than `episodes_per_task` plans (their results would not fit the plan). Nothing to check without a file.
+    """
+    if out_dir is None:
+        return
+    path = Path(out_dir) / EPISODES_FILE
+    old, rows = read_jsonl(path)
+    if old is None:
+        return
+    _check_resume(old, settings, path, keys=[k for k in HEADER_KEYS_CHECKED if k in settings])
+    _check_plan_size(rows, len(old.get("tasks") or [None]), episodes_per_task, path)
+
+
+def _check_plan_size(rows: Sequence[dict[str, Any]], num_tasks: int, episodes_per_task: int, path: Path) -> None:
+    """Refuses a plan of `episodes_per_task` that leaves out episodes `path` already holds."""
+    beyond = [r["episode_id"] for r in rows if r["episode_id"] >= num_tasks * episodes_per_task]
+    if beyond:
+        held = max(r["episode_id"] for r in rows) // num_tasks + 1
+        raise ValueError(
+            f"--episodes: {path} already holds episodes up to {held} per task (episode id {max(beyond)}), more "
+            f"than --episodes {episodes_per_task} plans; the results would not match the plan. Fix: pass "
+            f"--episodes {held} or more (the finished episodes are kept and the rest resume), or another --out folder."
+        )
+
+
+def _check_resume(
+    old: dict[str, Any], new: dict[str, Any], path: Path, keys: Sequence[str] = HEADER_KEYS_CHECKED
+) -> None:
+    """Refuses to resume into `path` unless every field of `keys` matches (JSON-normalised)."""
     new = json.loads(json.dumps(new))  # tuples -> lists, as the file holds them
-    differing = [k for k in HEADER_KEYS_CHECKED if old.get(k) != new.get(k)]
+    differing = [k for k in keys if old.get(k) != new.get(k)]
     if differing:
         details = "; ".join(f"{k}: file has {old.get(k)!r}, this run has {new.get(k)!r}" for k in differing)
         raise ValueError(
@@ -270,6 +314,7 @@ def evaluate_success(
     video_episodes: int = 0,
     on_episode: Callable[[dict[str, Any]], None] | None = None,
     progress: Callable[..., Any] | None = None,
+    episode_limit: int | None = None,
 ) -> EvalResult:
     """Runs the planned episodes on `env` and returns per-task and overall success rates.
 
@@ -288,10 +333,18 @@ def evaluate_success(
             this; needs imageio and a `wrappers.FrameRecorder` under the policy env:
             ``PolicyVectorEnv(FrameRecorder(make_env(...)), policy, ...)``.
         on_episode: called with every new row.
-        progress: a progress-bar factory (optional), called once as ``progress(total=..., initial=...)`` with
-            the episodes this call covers and how many of them are already done (a resume first prints
-            ``resuming: N of M episodes done``); it returns a tqdm-like bar (``update``, ``close``), e.g.
-            ``functools.partial(tqdm, desc="episodes")``, which is closed when the call ends or raises.
+        progress: a progress-bar factory (optional), e.g. ``functools.partial(tqdm, desc="eval")``, called once
+            as ``progress(total=..., initial=..., unit=...)``; it returns a tqdm-like bar (``update``, ``close``, a
+            settable ``total``; ``set_postfix_str`` where present), closed when the call ends or raises. With an
+            episode limit it counts env steps (unit "step") and advances every chunk: the total
+            is the finished episodes' lengths plus the limit for every episode still to run, and shrinks when an
+            episode ends early, so the ETA holds from the first chunk; the postfix counts episodes. Without a
+            limit it counts episodes. With a bar, the plan (tasks x episodes per task) is printed first, and a
+            resume prints ``resuming: N of M episodes done``.
+        episode_limit: env steps per episode at most (default: ``header["episode_limit"]``); sizes the bar.
+
+    Envs that report no success flag (Gymnasium MuJoCo) get ``None`` as every success field of a row, and
+    their success rates are nan: unmeasured, not 0.
 
     Example:
         >>> from phyai_gym.make import make_env
@@ -332,6 +385,7 @@ def evaluate_success(
         old_header, rows = read_jsonl(path)
         if old_header is not None:
             _check_resume(old_header, header, path)
+            _check_plan_size(rows, len(tasks), episodes_per_task, path)
         handle = open(path, "a")  # noqa: SIM115  (kept open for the run, closed in `finally`)
         if path.stat().st_size and not path.read_bytes().endswith(b"\n"):
             handle.write("\n")  # a torn last line (crash mid-write) stays on its own line
@@ -344,11 +398,20 @@ def evaluate_success(
     frames: dict[int, list[np.ndarray]] = {}
     new_rows = 0
     budget = math.inf if max_episodes_this_run is None else max_episodes_this_run
+    limit = episode_limit if episode_limit is not None else header.get("episode_limit")
+    in_scope = int(min(len(plan), len(finished) + budget))  # episodes this call ends with, at most
     bar = None
-    if progress is not None:
-        if finished:  # before the bar appears
+    if progress is not None:  # messages before the bar appears
+        print(f"plan: {len(tasks)} task(s) x {episodes_per_task} episodes per task = {len(plan)} episodes", flush=True)
+        if finished:
             print(f"resuming: {len(finished)} of {len(plan)} episodes done ({out / EPISODES_FILE})", flush=True)
-        bar = progress(total=int(min(len(plan), len(finished) + budget)), initial=len(finished))
+        if limit:
+            done_steps = sum(int(r["length"]) for r in rows)
+            total = done_steps + (in_scope - len(finished)) * int(limit)
+            bar = progress(total=total, initial=done_steps, unit="step")
+        else:
+            bar = progress(total=in_scope, initial=len(finished), unit="ep")
+        _postfix(bar, f"episodes {len(finished)}/{in_scope}")
 
     def take(slot: int) -> Episode | None:
         queue = queues[slot_task[slot]]
@@ -383,6 +446,9 @@ def evaluate_success(
         while any(a is not None for a in active) and new_rows < budget:
             obs, _, _, _, infos = env.step()
             ended = np.asarray(infos.get("_episode", np.zeros(n, bool)))
+            if bar is not None and limit:
+                executed = np.asarray(infos["substep_mask"]).sum(axis=1)
+                bar.update(int(sum(executed[slot] for slot in range(n) if active[slot] is not None)))
             for slot in range(n):
                 episode = active[slot]
                 if episode is None:
@@ -390,7 +456,8 @@ def evaluate_success(
                 if not ended[slot] or new_rows >= budget:
                     continue
                 stats = infos["episode"]
-                flags = {k: bool(np.asarray(stats[k])[slot]) for k in SUCCESS_METRICS}
+                measured = "success" in infos  # the env reports a success flag (Gymnasium MuJoCo does not)
+                flags = {k: bool(np.asarray(stats[k])[slot]) if measured else None for k in SUCCESS_METRICS}
                 row = {
                     "type": "episode",
                     **asdict(episode),
@@ -410,7 +477,11 @@ def evaluate_success(
                 if on_episode is not None:
                     on_episode(row)
                 if bar is not None:
-                    bar.update(1)
+                    if limit:  # the plan counted the limit for this episode; it took row["length"]
+                        bar.total = max(bar.total + row["length"] - int(limit), bar.n)
+                    else:
+                        bar.update(1)
+                    _postfix(bar, f"episodes {len(finished) + new_rows}/{in_scope}")
                 start(slot)
     finally:
         if bar is not None:
@@ -426,9 +497,16 @@ def evaluate_success(
         from phyai_gym.success_plot import plot_success
 
         write_csv(result, out / RESULTS_FILE)
-        result.plot = plot_success(result.tasks, result.overall, out / PLOT_FILE)
+        if not math.isnan(result.overall.success_rate):  # no success flag: nothing to plot
+            result.plot = plot_success(result.tasks, result.overall, out / PLOT_FILE)
         result.videos = _write_videos(frames, out / "videos", recorder.fps if recorder is not None else 20.0)
     return result
+
+
+def _postfix(bar: Any, text: str) -> None:
+    """Shows `text` after a tqdm-like bar, where the bar supports it."""
+    if hasattr(bar, "set_postfix_str"):
+        bar.set_postfix_str(text)
 
 
 def _find_recorder(env: Any) -> FrameRecorder | None:

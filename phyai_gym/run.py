@@ -8,9 +8,11 @@ when a run starts, so that ``phyai-gym --help`` stays instant.
 
 from __future__ import annotations
 
+import contextlib
 import math
 import sys
 import time
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
@@ -20,6 +22,11 @@ if TYPE_CHECKING:
 
 POLICIES: tuple[str, ...] = ("tiny", "base", "gaussian")
 """Policies without a checkpoint: random PI0.5 geometries and the Gaussian baseline."""
+PRESETS: tuple[str, ...] = (
+    "openpi_pi05_base", "openpi_pi05_libero", "lerobot_pi05", "rlinf_pi05_libero", "rlinf_pi05_maniskill",
+)  # fmt: skip
+"""`policies.pi05.presets.list_presets()`'s names, spelled here so that ``phyai-gym --help`` imports no torch
+(``tests/phyai_gym/test_cli.py`` checks that the two agree)."""
 _LIBERO_PRESETS = {"openpi": "openpi", "lerobot": "lerobot", "rlinf": "rlinf"}
 
 
@@ -152,6 +159,35 @@ def build_env(cfg: RunConfig, policy_preset: str | None = None) -> Any:
     )  # fmt: skip
 
 
+def check_state_fits(cfg: RunConfig, env: Any, policy: Any) -> None:
+    """Refuses a policy whose processor expects another state width than the env gives, before the first step.
+
+    A preset fixes the state layout of the checkpoint it describes (``openpi_pi05_libero``: LIBERO's 8 dims);
+    without this check the mismatch surfaces at the first policy call as a processor error that names neither
+    the preset nor the checkpoint.
+    """
+    processor = getattr(policy, "processor", None)
+    width = getattr(processor, "expected_state_dim", None)
+    try:
+        got = int(env.single_observation_space["state"].shape[0])
+    except (KeyError, TypeError, IndexError, AttributeError):  # an env without a state vector
+        return
+    if width is None or width == got:
+        return
+    if cfg.checkpoint is None:
+        raise ValueError(
+            f"--preset {cfg.preset}: the preset's state has {width} dims, but --env {cfg.env} gives {got}. A preset "
+            "describes a checkpoint's conventions, and no --checkpoint was given (the policy would have random "
+            f"weights). Fix: add --checkpoint DIR and an env of that checkpoint (e.g. `phyai-gym run --checkpoint "
+            f"DIR --preset {cfg.preset} --env libero_spatial`), or drop --preset for the offline demo."
+        )
+    raise ValueError(
+        f"--checkpoint {cfg.checkpoint}: the policy expects a {width}-dim state (its preset / state statistics), "
+        f"but --env {cfg.env} gives {got}. Fix: run the checkpoint on the env it was trained on, or pass the "
+        "--preset that matches it."
+    )
+
+
 def action_chunk_for(cfg: RunConfig, policy: Any) -> int:
     """C: the flag, else the policy's rollout setting (capped at its horizon)."""
     if cfg.action_chunk is not None:
@@ -203,7 +239,7 @@ def run(cfg: RunConfig) -> RunSummary:
     from phyai_gym.threads import configure_threads
     from wrappers import PolicyVectorEnv
 
-    say = (lambda *a: None) if cfg.quiet else print
+    say = (lambda *a, **k: None) if cfg.quiet else print
     say(configure_threads(cfg.threads, device=cfg.device, small_model=cfg.checkpoint is None and cfg.policy != "base"))
     preset = cfg.preset
     if cfg.checkpoint is not None and preset is None:
@@ -213,12 +249,15 @@ def run(cfg: RunConfig) -> RunSummary:
             preset = infer_preset(cfg.checkpoint).name
         except Exception:  # the policy load below reports the real problem
             preset = None
-    env = build_env(cfg, preset)
+    with phase(f"loading the simulator: {cfg.env} x {cfg.num_envs}", say):
+        env = build_env(cfg, preset)
     try:
         action_dim = int(env.single_action_space.shape[0])
-        policy, description = build_policy(cfg, action_dim)
-        chunk = action_chunk_for(cfg, policy)
-        wrapper = PolicyVectorEnv(env, policy, action_chunk=chunk, deterministic=cfg.deterministic)
+        with phase(building_policy_message(cfg), say):
+            policy, description = build_policy(cfg, action_dim)
+            check_state_fits(cfg, env, policy)
+            chunk = action_chunk_for(cfg, policy)
+            wrapper = PolicyVectorEnv(env, policy, action_chunk=chunk, deterministic=cfg.deterministic)
     except BaseException:
         env.close()
         raise
@@ -235,23 +274,25 @@ def run(cfg: RunConfig) -> RunSummary:
     start = time.perf_counter()
     bar = tqdm(total=planned, desc="chunks", unit="chunk", file=sys.stderr, disable=cfg.quiet)
     ended_once, index = np.zeros(wrapper.num_envs, bool), 0
-    while index < (planned or MAX_CHUNKS_UNTIL_DONE) and (planned is not None or not ended_once.all()):
-        obs, rewards, terminated, truncated, info = wrapper.step()
-        rewards = np.asarray(rewards.cpu() if isinstance(rewards, torch.Tensor) else rewards, dtype=np.float64)
-        ended = np.asarray(info.get("_episode", np.zeros(wrapper.num_envs, bool)), dtype=bool)
-        rows.append(table_row(index, rewards, ended, info["policy"]))
-        returns += rewards
-        if ended.any():
-            ended_returns += np.asarray(info["episode"]["r"])[ended].tolist()
-            if "success" in info:
-                successes += np.asarray(info["episode"]["success_once"])[ended].tolist()
-        ended_once |= ended
-        index += 1
-        bar.update(1)
-    bar.close()
+    try:  # an error or Ctrl-C closes the bar first, so that the message is not glued to it
+        while index < (planned or MAX_CHUNKS_UNTIL_DONE) and (planned is not None or not ended_once.all()):
+            obs, rewards, terminated, truncated, info = wrapper.step()
+            rewards = np.asarray(rewards.cpu() if isinstance(rewards, torch.Tensor) else rewards, dtype=np.float64)
+            ended = np.asarray(info.get("_episode", np.zeros(wrapper.num_envs, bool)), dtype=bool)
+            rows.append(table_row(index, rewards, ended, info["policy"]))
+            returns += rewards
+            if ended.any():
+                ended_returns += np.asarray(info["episode"]["r"])[ended].tolist()
+                if "success" in info:
+                    successes += np.asarray(info["episode"]["success_once"])[ended].tolist()
+            ended_once |= ended
+            index += 1
+            bar.update(1)
+    finally:
+        bar.close()
+        wrapper.close()
     chunks = index
     elapsed = time.perf_counter() - start
-    wrapper.close()
     env_steps = chunks * chunk * wrapper.num_envs
     summary = RunSummary(
         env_steps, elapsed, float(returns.mean()), len(ended_returns), description,
@@ -272,11 +313,38 @@ def run(cfg: RunConfig) -> RunSummary:
     return summary
 
 
+def building_policy_message(cfg: RunConfig) -> str:
+    """The start-up line of the policy build (on a GPU it includes capturing the CUDA graphs)."""
+    what = f"loading the policy from {cfg.checkpoint}" if cfg.checkpoint is not None else (
+        f"building the policy ({cfg.policy or 'tiny'}, random weights)"
+    )
+    graphs = ", capturing its CUDA graphs" if str(cfg.device).startswith("cuda") else ""
+    return f"{what} on {cfg.device}{graphs}"
+
+
+@contextlib.contextmanager
+def phase(message: str, say: Callable[..., None] = print) -> Iterator[None]:
+    """Says what a start-up phase does before it starts and how long it took, so a slow start shows progress.
+
+    Example:
+        >>> with phase("loading the simulator: scripted x 2"):
+        ...     pass  # doctest: +ELLIPSIS
+        loading the simulator: scripted x 2 ...
+        loading the simulator: scripted x 2: done in 0.0 s
+    """
+    say(f"{message} ...", flush=True)
+    start = time.perf_counter()
+    yield
+    say(f"{message}: done in {time.perf_counter() - start:.1f} s", flush=True)
+
+
 def next_steps(cfg: RunConfig) -> str:
-    """What to try after a run: success rates, PPO, a real checkpoint."""
-    env = f"--env {cfg.env} " if cfg.env != "Pusher-v5" else ""
+    """What to try after a run: success rates, PPO, a real checkpoint; every command runs as written.
+
+    ``eval`` has no default env (an evaluation names what it measures), so the suggestion always names it.
+    """
     return (
-        "next: success rates with `phyai-gym eval " + env + "--policy tiny --episodes 4 --out runs/demo`; "
+        f"next: success rates with `phyai-gym eval --env {cfg.env} --policy tiny --episodes 4 --out runs/demo`; "
         "PPO with `python examples/ppo_pi05.py`; a trained policy with `phyai-gym run --checkpoint DIR "
         "--preset openpi_pi05_libero --env libero_spatial` (see the README)"
     )

@@ -74,7 +74,102 @@ def test_checkpoint_folder_without_weights(capsys, tmp_path):
 
 def test_unknown_preset(capsys, tmp_path):
     err = _error(capsys, ["eval", "--env", "scripted", "--policy", "tiny", "--preset", "nope", "--episodes", "1"])
-    assert "--preset 'nope' is unknown" in err and "openpi_pi05_libero" in err
+    assert "--preset: invalid choice: 'nope'" in err and "openpi_pi05_libero" in err
+
+
+def test_preset_choices_are_the_known_presets():
+    from phyai_gym.run import PRESETS
+    from policies.pi05.presets import list_presets
+
+    assert PRESETS == tuple(list_presets())  # spelled in phyai_gym.run so that --help imports no torch
+
+
+@pytest.mark.parametrize("command", ["run", "eval"])
+def test_help_shows_defaults_and_choices(capsys, command):
+    with pytest.raises(SystemExit) as info:
+        main([command, "--help"])
+    assert info.value.code == 0
+    out = " ".join(capsys.readouterr().out.split())  # argparse wraps lines
+    assert "N, sub-envs (default: 4)" in out and "(default: sync)" in out and "one worker process per sub-env" in out
+    assert "openpi_pi05_libero, lerobot_pi05" in out
+    if command == "eval":
+        assert "openpi_libero, lerobot_libero" in out and "--episodes 2 plans 20 episodes" in out
+    else:
+        assert "(default: Pusher-v5)" in out
+
+
+# Issue 43, point 1: the `next:` line's commands run as written.
+def test_run_next_line_eval_command_runs_as_written(capsys, tmp_path, monkeypatch):
+    import shlex
+
+    from phyai_gym.run import RunConfig, next_steps
+
+    assert main(["run", "--env", "scripted", "--num-envs", "2", "--chunks", "1"]) == 0
+    last = capsys.readouterr().out.rstrip().splitlines()[-1]
+    assert last.startswith("next:")
+    command = last.split("`")[1]
+    assert command.startswith("phyai-gym eval --env scripted ")
+    assert "--env Pusher-v5 " in next_steps(RunConfig())  # the default env is named too: eval has none
+    monkeypatch.chdir(tmp_path)  # --out runs/demo is relative
+    assert main(shlex.split(command)[1:]) == 0
+    assert "episodes: complete" in capsys.readouterr().out and (tmp_path / "runs/demo/episodes.jsonl").is_file()
+
+
+# Issue 43, point 2: a preset without a checkpoint is refused before the first step, naming both.
+def test_preset_without_checkpoint_is_refused_naming_preset_and_checkpoint(capsys):
+    err = _error(capsys, ["run", "--env", "scripted", "--preset", "openpi_pi05_libero", "--chunks", "1"])
+    assert "--preset openpi_pi05_libero: the preset's state has 8 dims, but --env scripted gives 4" in err
+    assert "no --checkpoint was given" in err and "Fix: add --checkpoint DIR" in err
+    assert "Traceback" not in err and "chunks" not in err  # refused before the progress bar exists
+
+
+def test_an_error_in_the_chunk_loop_closes_the_bar_first(capsys, monkeypatch):
+    run_module = sys.modules["phyai_gym.run"]  # `phyai_gym.run` the attribute is the function
+
+    def fail(*args, **kwargs):
+        raise ValueError("obs['state']: broken")
+
+    monkeypatch.setattr(run_module, "table_row", fail)
+    err = _error(capsys, ["run", "--env", "scripted", "--num-envs", "2", "--chunks", "3"])
+    assert err.rstrip().splitlines()[-1] == "phyai-gym run: error: obs['state']: broken"  # on its own line, last
+
+
+# Issue 43, point 7: Ctrl-C during `run` exits 130 with one line, no traceback.
+def test_run_ctrl_c_exits_with_a_message(capsys, monkeypatch):
+    run_module = sys.modules["phyai_gym.run"]  # `phyai_gym.run` the attribute is the function
+
+    def interrupt(*args, **kwargs):
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(run_module, "table_row", interrupt)
+    assert main(["run", "--env", "scripted", "--num-envs", "2", "--chunks", "3"]) == 130
+    err = capsys.readouterr().err
+    last = err.rstrip().splitlines()[-1]
+    assert last == "phyai-gym run: interrupted (Ctrl-C); run writes no files, so nothing is lost."
+    assert "Traceback" not in err
+
+
+@pytest.mark.slow
+def test_run_ctrl_c_in_a_terminal_prints_no_traceback():
+    import signal
+    import time
+
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "phyai_gym.cli", "run", "--env", "scripted", "--num-envs", "2", "--chunks", "100000"],
+        cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+    )  # fmt: skip
+    try:
+        line = ""
+        while "loading the simulator" not in line:  # the handler is running: Ctrl-C now hits the run
+            line = proc.stdout.readline()
+            assert line, proc.stderr.read()
+        time.sleep(3)
+        proc.send_signal(signal.SIGINT)
+        out, err = proc.communicate(timeout=300)
+    finally:
+        proc.kill()
+    assert proc.returncode == 130, err[-2000:]
+    assert "Traceback" not in err and "interrupted (Ctrl-C)" in err
 
 
 def test_conflicting_options(capsys, tmp_path):
@@ -256,6 +351,83 @@ def test_eval_interrupt_message_is_not_on_the_bar(capsys, tmp_path, monkeypatch)
     captured = capsys.readouterr()
     assert captured.out.splitlines()[-1].startswith("interrupted; finished episodes are in ")
     assert "interrupted" not in captured.err
+
+
+# Issue 43, point 5: fewer --episodes than the folder holds is refused (before the policy is built).
+def test_eval_fewer_episodes_than_the_folder_holds_is_refused_up_front(capsys, tmp_path, monkeypatch):
+    run_module = sys.modules["phyai_gym.run"]  # `phyai_gym.run` the attribute is the function
+
+    assert main([*EVAL, "--out", str(tmp_path)]) == 0
+    capsys.readouterr()
+
+    def never(*args, **kwargs):
+        raise AssertionError("the policy was built before the resume check")
+
+    monkeypatch.setattr(run_module, "build_policy", never)
+    argv = list(EVAL)
+    argv[argv.index("--episodes") + 1] = "3"
+    err = _error(capsys, [*argv, "--out", str(tmp_path)])
+    assert "--episodes: " in err and "already holds episodes up to 10 per task" in err
+    assert "Fix: pass --episodes 10 or more" in err and "Traceback" not in err
+    err = _error(capsys, [*EVAL, "--out", str(tmp_path), "--seed", "5"])  # point 9: refused before the build too
+    assert "field(s) seed" in err
+
+
+def test_eval_bar_counts_env_steps_every_chunk(capsys, tmp_path):
+    from phyai_gym.evaluation import evaluate_success
+    from phyai_gym.make import make_env
+    from policies.baseline import GaussianPolicy
+    from wrappers import PolicyVectorEnv
+
+    class Bar:
+        def __init__(self, total, initial, unit):
+            self.total, self.n, self.unit, self.updates, self.postfix = total, initial, unit, [], ""
+
+        def update(self, k):
+            self.n += k
+            self.updates.append(k)
+
+        def set_postfix_str(self, text):
+            self.postfix = text
+
+        def close(self):
+            pass
+
+    bars = []
+    env = PolicyVectorEnv(make_env("scripted", 2, episode_lengths=(7, 12)), GaussianPolicy(3, action_horizon=5), 5)
+    result = evaluate_success(env, 3, progress=lambda **kw: bars.append(Bar(**kw)) or bars[-1], episode_limit=20)
+    env.close()
+    bar = bars[0]
+    assert bar.unit == "step" and len(bar.updates) > len(result.rows)  # advances per chunk, not per episode
+    assert bar.n == bar.total == sum(r["length"] for r in result.rows)  # the plan shrank to what ran
+    assert bar.postfix == "episodes 3/3"
+    assert "plan: 1 task(s) x 3 episodes per task = 3 episodes" in capsys.readouterr().out
+
+
+# Issue 43, point 6: an env without a success flag reports n/a, not a measured 0.
+def test_summary_without_success_flag_is_not_a_rate():
+    import math
+
+    from phyai_gym.evaluation import summarize
+
+    rows = [{"task": "t", "success": None, "success_once": None, "success_at_end": None, "return": 1.0, "length": 3}]
+    (task,), overall = summarize(rows, ["t"])
+    assert math.isnan(overall.success_rate) and math.isnan(overall.ci_low) and math.isnan(task.success_once)
+    assert overall.mean_return == 1.0
+
+
+@pytest.mark.slow
+def test_eval_on_pusher_reports_no_success_rate(capsys, tmp_path):
+    argv = ["eval", "--env", "Pusher-v5", "--policy", "tiny", "--num-envs", "2", "--episodes", "2", "--image-size"]
+    argv += ["32", "--max-episode-steps", "5", "--action-chunk", "5", "--out", str(tmp_path)]
+    assert main(argv) == 0
+    captured = capsys.readouterr()
+    assert "success: n/a -- Pusher-v5 reports no success flag" in captured.out
+    overall = captured.out.split("\noverall")[1].splitlines()[0].split()
+    assert overall[1:4] == ["n/a", "n/a", "n/a"]  # success, its interval, once (then at end, return, length)
+    assert "0.000 [" not in captured.out and not (tmp_path / "success.png").exists()
+    assert all(r["success"] is None for r in _rows(tmp_path / "episodes.jsonl")[1])
+    assert "Traceback" not in captured.err
 
 
 @pytest.mark.slow

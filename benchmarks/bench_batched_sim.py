@@ -124,8 +124,9 @@ def startup_rows(task: str, image_size: int, device: torch.device, out: Path | N
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--task", default="pick_cube", help="pick_cube or push_cube (default pick_cube)")
-    parser.add_argument("--sizes", type=int, nargs="+", default=[64, 256, 1024], help="worlds N (default 64 256 1024)")
-    parser.add_argument("--env-only-sizes", type=int, nargs="*", default=None, help="N for env-only rows (default --sizes)")
+    parser.add_argument("--sizes", type=int, nargs="+", default=[64, 256, 1024], help="N worlds (default 64 256 1024)")
+    parser.add_argument("--env-only-sizes", type=int, nargs="*", default=None,
+                        help="N for the env-only rows (default: --sizes)")  # fmt: skip
     parser.add_argument("--config", default="base", help="policy size: base (bf16) or tiny (default base)")
     parser.add_argument("--image-size", type=int, default=224, help="camera side (default 224)")
     parser.add_argument("--chunk", type=int, default=5, help="C, env steps per policy call (default 5)")

@@ -197,7 +197,9 @@ def action_chunk_for(cfg: RunConfig, policy: Any) -> int:
 
 
 def episode_limit(env: Any) -> int | None:
-    """Episode limit in env steps of the first sub-env, where the env exposes one."""
+    """Episode limit in env steps of the first sub-env, where the env exposes one (read below vector wrappers)."""
+    while not callable(getattr(env, "get_attr", None)) and hasattr(env, "env"):
+        env = env.env
 
     def first(name: str) -> Any:
         try:

@@ -34,7 +34,7 @@ CHECKPOINT = "needs a PI0.5 checkpoint (DIR) and LIBERO"
 SUITE = "runs the whole test suite (about 30 min on 2 cores); this test is part of it"
 SKIPPED = {
     'pip install torch==2.13.0 && pip install -e ".[sim]" && phyai-gym run': f"{NETWORK}; `phyai-gym run` runs here",
-    'pip install torch==2.13.0 && pip install -e ".[test,sim]" && bash .ci/install_sims.sh && '
+    'pip install torch==2.13.0 && pip install -e ".[test,sim,warp]" && bash .ci/install_sims.sh && '
     ". ~/.cache/phyai-gym/sim_env.sh && python3 -m pytest -q": f"{NETWORK}; then {SUITE}",
     "pip install torch==2.13.0": NETWORK,
     "pip install triton": NETWORK,
@@ -43,6 +43,8 @@ SKIPPED = {
     'pip install -e ".[sim]"': NETWORK,
     'pip install -e ".[libero]"': NETWORK,
     'pip install -e ".[maniskill]"': NETWORK,
+    'pip install -e ".[warp]"': NETWORK,
+    'pip install --no-index --find-links wheelhouse "phyai-gym[warp]"': "needs a copied wheelhouse",
     "bash .ci/install_sims.sh": f"{NETWORK}; runs as root (apt-get)",
     "apt-get install libosmesa6": f"{NETWORK}; runs as root",
     "source ~/.cache/phyai-gym/sim_env.sh": "exists only after .ci/install_sims.sh; changes the calling shell",

@@ -108,12 +108,15 @@ def startup(task: str, image_size: int, device: torch.device) -> dict:
                 constructor_s=env.startup_s)  # fmt: skip
 
 
-def startup_rows(task: str, image_size: int, device: torch.device, out: Path | None) -> None:
-    """A cold start in a fresh kernel cache, then a warm one reusing it, each in its own process."""
+def startup_rows(task: str, image_size: int, device: torch.device, out: Path | None, cache: Path | None) -> None:
+    """A cold start in an empty kernel cache (`cache`, else a temporary one), then a warm one reusing it."""
     rows = []
-    with tempfile.TemporaryDirectory() as cache:
+    with tempfile.TemporaryDirectory() as scratch:
+        cache = cache or Path(scratch)
+        if cache.exists() and any(cache.iterdir()):
+            raise ValueError(f"--warp-cache: expected an empty or missing folder for the cold start, got {cache}.")
         for cache_state in ("cold", "warm"):
-            env = {**os.environ, "WARP_CACHE_PATH": cache}
+            env = {**os.environ, "WARP_CACHE_PATH": str(cache)}
             cmd = [sys.executable, "-m", "benchmarks.bench_batched_sim", "--startup", "--task", task,
                    "--image-size", str(image_size), "--device", str(device)]  # fmt: skip
             done = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=900, check=True)
@@ -135,6 +138,8 @@ def main() -> None:
     parser.add_argument("--sections", nargs="+", default=["env_only", "rollout", "startup"],
                         help="env_only rollout startup (default all)")  # fmt: skip
     parser.add_argument("--startup", action="store_true", help="(internal) one start-up measurement, printed")
+    parser.add_argument("--warp-cache", type=Path, default=None,
+                        help="empty folder the start-up rows compile into and then reuse (default: a temporary one)")
     parser.add_argument("--out", type=Path, default=None, help="folder for the JSONL rows (default results/)")
     args = parser.parse_args()
     device = torch.device(args.device)
@@ -150,7 +155,7 @@ def main() -> None:
             row = rollout(args.task, n, args.image_size, args.chunk, args.config, device, args.iters)
             write_rows("batched_sim_rollout", [row], args.out)
     if "startup" in args.sections:
-        startup_rows(args.task, args.image_size, device, args.out)
+        startup_rows(args.task, args.image_size, device, args.out, args.warp_cache)
 
 
 if __name__ == "__main__":

@@ -46,6 +46,7 @@ from phyai_gym.curves import CurveLog
 from phyai_gym.dataclass_cli import parse_dataclass
 from phyai_gym.distributed import GradientMean, ProcessGroup
 from phyai_gym.make import make_env, make_policy
+from phyai_gym.ppo_math import LOGPROB_REDUCTIONS, log_ratio
 from phyai_gym.threads import configure_threads
 from policies.master_weights import MasterWeights
 from policies.pi05.batch import RolloutBatch
@@ -101,8 +102,15 @@ class Args:
     total_iterations: int = 20
     """PPO iterations (rollout + update + weight sync)"""
     learning_rate: float | None = None
-    """Adam learning rate (default: 3e-3 for the tiny config; 2e-5 for random base weights, the best of 5e-6 to 3e-5
-    on the target task across seeds (benchmarks/README.md); 5e-6, RLinf's PI0.5 actor rate, for checkpoints)"""
+    """Adam learning rate of the policy (default: 3e-3 for the tiny config; 5e-6, RLinf's PI0.5 actor rate, for the
+    base config and checkpoints: at 2e-5 the base expert's updates leave the trust region, docs/rl.md)"""
+    value_lr: float | None = None
+    """Adam learning rate of the value head (default: --learning-rate for the tiny config; 1e-4, RLinf's value_lr,
+    for the base config and checkpoints: at the actor's 5e-6 the head's output moves too little to fit returns)"""
+    logprob_reduction: str = "element"
+    """granularity of the PPO ratio (RLinf's logprob_type; docs/rl.md): "element" (one clipped ratio per C x A
+    Gaussian element), "action" (per executed action, summed over A), "sum" (one per sample: the chunk's likelihood
+    ratio), "mean" (one per sample, the mean element log-ratio)"""
     anneal_lr: bool = False
     """linearly anneal the learning rate to 0"""
     gamma: float = 0.99
@@ -148,11 +156,14 @@ class Args:
     """batch_size // num_minibatches"""
 
     def __post_init__(self) -> None:
+        tiny = self.config == "tiny" and self.checkpoint is None
         if self.learning_rate is None:
-            if self.checkpoint is not None:
-                self.learning_rate = 5e-6
-            else:
-                self.learning_rate = 3e-3 if self.config == "tiny" else 2e-5
+            self.learning_rate = 3e-3 if tiny else 5e-6
+        if self.value_lr is None:
+            self.value_lr = self.learning_rate if tiny else 1e-4
+        if self.logprob_reduction not in LOGPROB_REDUCTIONS:
+            raise ValueError(f"--logprob-reduction: expected one of {', '.join(LOGPROB_REDUCTIONS)}, got "
+                             f"{self.logprob_reduction!r}. Fix: pass e.g. --logprob-reduction element.")  # fmt: skip
         self.batch_size = self.num_envs * self.num_steps
         self.minibatch_size = self.batch_size // self.num_minibatches
         if self.minibatch_size < 1:
@@ -242,13 +253,19 @@ def _train(args: Args, curves: CurveLog, group: ProcessGroup | None) -> dict:
     if rollout_cfg.keep_prefix:
         trainer.model.share_prefix(policy.model)  # the frozen prefix: one copy of its weights, the rollout's
     master = MasterWeights(p for _, p in trainer.trainable_parameters())  # float32 weights the optimizer steps
-    optimizer = torch.optim.Adam(master.parameters(), lr=args.learning_rate, eps=1e-5)
+    names = [name for name, p in trainer.trainable_parameters() if p.requires_grad]  # master.parameters()' order
+    groups = [[m for n, m in zip(names, master.parameters()) if n.startswith("value_head.") == critic]
+              for critic in (False, True)]  # fmt: skip
+    optimizer = torch.optim.Adam(
+        [{"params": groups[0], "lr": args.learning_rate}, {"params": groups[1], "lr": args.value_lr}], eps=1e-5
+    )
     grad_mean = None if group is None else GradientMean(group)  # DDP's mean, on the float32 master gradients
     envs = PolicyVectorEnv(raw_env, policy, action_chunk=args.action_chunk)
 
     # ---- storage: (T, N) scalars preallocated; the T calls' samples (inputs, chains, prefix K/V) ----------
     T, N = args.num_steps, args.num_envs  # noqa: N806  (the math's names)
-    log_probs = torch.zeros((T, N), device=device)
+    C, A = args.action_chunk, action_dim  # noqa: N806
+    log_probs = torch.zeros((T, N, C, A), device=device)  # element log-probs: the ratio's granularity is chosen later
     rewards = torch.zeros((T, N), device=device)
     dones = torch.zeros((T, N), device=device)
     values = torch.zeros((T, N), device=device)
@@ -260,7 +277,9 @@ def _train(args: Args, curves: CurveLog, group: ProcessGroup | None) -> dict:
     times = {"rollout": 0.0, "train": 0.0, "sync": 0.0}
     for iteration in range(1, args.total_iterations + 1):
         if args.anneal_lr:
-            optimizer.param_groups[0]["lr"] = (1.0 - (iteration - 1.0) / args.total_iterations) * args.learning_rate
+            frac = 1.0 - (iteration - 1.0) / args.total_iterations
+            optimizer.param_groups[0]["lr"] = frac * args.learning_rate
+            optimizer.param_groups[1]["lr"] = frac * args.value_lr
 
         # ---- rollout: T chunks per env with the rollout policy ---------------------------------------
         t0 = time.perf_counter()
@@ -270,7 +289,7 @@ def _train(args: Args, curves: CurveLog, group: ProcessGroup | None) -> dict:
                 obs, reward, terminated, truncated, infos = envs.step()  # the policy acts on `obs`
                 out = envs.last_output
                 global_step += world * N * args.action_chunk
-                log_probs[step] = out.log_prob
+                log_probs[step] = out.log_prob_elements
                 values[step] = out.values
                 samples.append(RolloutBatch.from_output(out))
                 # bootstrap truncations with V(final obs): r + gamma * V(s_T), then treat the step as done
@@ -298,41 +317,45 @@ def _train(args: Args, curves: CurveLog, group: ProcessGroup | None) -> dict:
         times["rollout"] += (t_rollout := time.perf_counter() - t0)
 
         # ---- flatten the batch (step-major, as the (T, N) tensors) -------------------------------------
-        b_log_probs, b_values = log_probs.reshape(-1), values.reshape(-1)
+        b_log_probs, b_values = log_probs.reshape(-1, C, A), values.reshape(-1)
         b_advantages, b_returns = advantages.reshape(-1), returns.reshape(-1)
         b_samples = RolloutBatch.cat(samples)
 
         # ---- optimise policy and value network (the trainer copy) ------------------------------------
         t0 = time.perf_counter()
-        clipfracs, kls, steps = [], [], 0  # per minibatch; optimizer steps taken
+        clipfracs, kls, chunk_kls, steps = [], [], [], 0  # per minibatch; optimizer steps taken
         pg_loss = v_loss = torch.full((), float("nan"))  # an update stopped before its first step
         for mb_idx in shuffled_minibatches(args.batch_size, args.update_epochs, args.minibatch_size):
             mb = torch.as_tensor(mb_idx, device=device)
             # differentiable log-probs and values (on a GPU: forward and backward replayed as CUDA graphs)
             new = trainer.evaluate(b_samples.select(mb), cuda_graphs=args.trainer_cuda_graphs)
-            log_ratio = new.log_prob - b_log_probs[mb]
-            ratio = log_ratio.exp()
+            # (B, G) log-ratios: G = 1 (sum, mean), C (action) or C x A (element) clipped ratios per sample
+            mb_log_ratio = log_ratio(new.log_prob_elements, b_log_probs[mb], args.logprob_reduction)
+            ratio = mb_log_ratio.exp()
             mb_adv = b_advantages[mb]
             with torch.no_grad():
+                chunk_log_ratio = (new.log_prob_elements - b_log_probs[mb]).sum(dim=(1, 2))  # the whole chunk's
                 if group is None:
-                    approx_kl = ((ratio - 1) - log_ratio).mean()  # http://joschu.net/blog/kl-approx.html
+                    approx_kl = ((ratio - 1) - mb_log_ratio).mean()  # http://joschu.net/blog/kl-approx.html
+                    chunk_kl = (chunk_log_ratio.exp() - 1 - chunk_log_ratio).mean()
                     clipfrac = ((ratio - 1.0).abs() > args.clip_coef).float().mean()  # no host sync
                     adv_mean, adv_std = mb_adv.mean(), mb_adv.std()
                 else:  # over every rank's share of the minibatch: one all-reduce of sums
                     what = f"the minibatch statistics all-reduce (iteration {iteration})"
-                    approx_kl, clipfrac, adv_mean, adv_std = global_minibatch_stats(
-                        group, log_ratio, ratio, mb_adv, args.clip_coef, what
+                    approx_kl, chunk_kl, clipfrac, adv_mean, adv_std = global_minibatch_stats(
+                        group, mb_log_ratio, chunk_log_ratio, mb_adv, args.clip_coef, what
                     )
                 clipfracs.append(clipfrac)
                 kls.append(approx_kl)
+                chunk_kls.append(chunk_kl)
             if args.target_kl is not None and approx_kl.item() > args.target_kl:
                 break
             if args.norm_adv:
                 mb_adv = (mb_adv - adv_mean) / (adv_std + 1e-8)
 
-            # clipped surrogate objective
-            pg_loss1 = -mb_adv * ratio
-            pg_loss2 = -mb_adv * torch.clamp(ratio, 1 - args.clip_coef, 1 + args.clip_coef)
+            # clipped surrogate objective, every ratio with its sample's advantage
+            pg_loss1 = -mb_adv[:, None] * ratio
+            pg_loss2 = -mb_adv[:, None] * torch.clamp(ratio, 1 - args.clip_coef, 1 + args.clip_coef)
             pg_loss = torch.max(pg_loss1, pg_loss2).mean()
 
             # value loss
@@ -379,6 +402,8 @@ def _train(args: Args, curves: CurveLog, group: ProcessGroup | None) -> dict:
             "approx_kl": float(kls[-1]),
             "approx_kl_first": float(kls[0]),
             "approx_kl_max": float(torch.stack(kls).max()),
+            "approx_kl_mean": float(torch.stack(kls).mean()),
+            "approx_kl_chunk": float(torch.stack(chunk_kls).mean()),  # of the whole chunk, whatever the granularity
             "update_steps": steps,
             "clipfrac": float(torch.stack(clipfracs).mean()),
             "explained_variance": float(explained_var),
@@ -429,18 +454,26 @@ def shuffled_minibatches(batch_size: int, epochs: int, minibatch_size: int):
 
 
 def global_minibatch_stats(
-    group: ProcessGroup, log_ratio: torch.Tensor, ratio: torch.Tensor, adv: torch.Tensor, clip_coef: float, what: str
+    group: ProcessGroup,
+    log_ratio: torch.Tensor,
+    chunk_log_ratio: torch.Tensor,
+    adv: torch.Tensor,
+    clip_coef: float,
+    what: str,
 ) -> tuple[torch.Tensor, ...]:
-    """approx-KL, clip fraction, advantage mean and (unbiased) std over the global minibatch: one all-reduce."""
-    log_ratio, ratio, adv = log_ratio.double(), ratio.double(), adv.double()
+    """approx-KL (of the (B, G) ratios and of the whole chunks), clip fraction, advantage mean and (unbiased) std
+    over the global minibatch: one all-reduce."""
+    log_ratio, chunk_log_ratio, adv = log_ratio.double(), chunk_log_ratio.double(), adv.double()
+    ratio = log_ratio.exp()
     sums = torch.stack([
-        torch.ones_like(adv).sum(), ((ratio - 1) - log_ratio).sum(), ((ratio - 1.0).abs() > clip_coef).double().sum(),
+        torch.ones_like(adv).sum(), torch.ones_like(ratio).sum(), ((ratio - 1) - log_ratio).sum(),
+        (chunk_log_ratio.exp() - 1 - chunk_log_ratio).sum(), ((ratio - 1.0).abs() > clip_coef).double().sum(),
         adv.sum(), (adv * adv).sum(),
     ])  # fmt: skip
-    n, kl, clipped, adv_sum, adv_sumsq = group.all_reduce_sum(sums, what)
+    n, g, kl, chunk_kl, clipped, adv_sum, adv_sumsq = group.all_reduce_sum(sums, what)
     mean = adv_sum / n
     std = ((adv_sumsq - n * mean * mean).clamp(min=0.0) / (n - 1)).sqrt()
-    return (kl / n).float(), (clipped / n).float(), mean.float(), std.float()
+    return (kl / g).float(), (chunk_kl / n).float(), (clipped / g).float(), mean.float(), std.float()
 
 
 def global_metrics(

@@ -35,9 +35,12 @@ is split over the ranks. Without torchrun (no WORLD_SIZE) nothing of this runs.
 
 from __future__ import annotations
 
+import json
 import random
+import sys
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields, replace
+from pathlib import Path
 
 import numpy as np
 import torch
@@ -48,6 +51,7 @@ from phyai_gym.distributed import GradientMean, ProcessGroup
 from phyai_gym.make import make_env, make_policy
 from phyai_gym.ppo_math import LOGPROB_REDUCTIONS, log_ratio
 from phyai_gym.threads import configure_threads
+from phyai_gym.training_state import TrainingState, latest_checkpoint
 from policies.master_weights import MasterWeights
 from policies.pi05.batch import RolloutBatch
 from policies.pi05.policy import RolloutConfig
@@ -144,6 +148,24 @@ class Args:
     existing file is kept as <stem>.<k>.csv, never appended to (none: do not write)"""
     quiet: bool = False
     """no per-iteration line"""
+    tensorboard: bool = False
+    """also log every row to TensorBoard, cleanrl's tags (in <run-dir>/tensorboard, else runs/<csv stem> next to
+    the CSV); needs the tensorboard package (pip install tensorboard)"""
+    # Run folder: checkpoints and resume (phyai_gym.training_state)
+    run_dir: str | None = None
+    """a folder for the run: args.json, curve.csv and its plot (instead of --csv), checkpoints/ in LeRobot's layout
+    (each checkpoints/<iteration>/pretrained_model loads with make_policy and phyai-gym eval --checkpoint), and
+    tensorboard/"""
+    save_every: int = 0
+    """write a checkpoint every K iterations (needs --run-dir; 0: only after the last iteration)"""
+    resume: str | None = None
+    """a run folder: continue it from its last checkpoint (weights, float32 masters, optimizer, RNG, iteration) with
+    the flags it was started with; only --total-iterations, --save-every, --eval-episodes, --quiet, --tensorboard,
+    --threads, --dist-timeout and --trainer-cuda-graphs may change"""
+    reset_every_iteration: bool = False
+    """start every rollout from a seeded reset of all envs (RLinf's LIBERO setting; episodes never cross an
+    iteration); a resumed run is then bitwise the straight run, while without it the resumed run resets its envs
+    once and the episodes in progress at the checkpoint restart"""
     # torchrun
     dist_timeout: float = 300.0
     """torchrun runs: seconds that joining the group and every collective wait for the other ranks, after which
@@ -170,13 +192,89 @@ class Args:
             raise ValueError(f"num_minibatches ({self.num_minibatches}) > batch_size ({self.batch_size}).")
         if self.target_kl is not None and not self.target_kl > 0:
             raise ValueError(f"--target-kl: expected an approx-KL > 0, got {self.target_kl!r}. Fix: pass e.g. 0.5.")
+        if self.save_every < 0 or (self.save_every and self.run_dir is None):
+            raise ValueError(f"--save-every: expected 0, or K > 0 with --run-dir, got {self.save_every!r} (run dir "
+                             f"{self.run_dir!r}). Fix: pass --run-dir DIR.")  # fmt: skip
+        if self.run_dir is not None:
+            self.csv = str(Path(self.run_dir) / "curve.csv")
         if not self.dist_timeout > 0:
             raise ValueError(f"--dist-timeout: expected seconds > 0, got {self.dist_timeout!r}. Fix: pass e.g. 300.")
 
 
+RESUMABLE_CHANGES = ("total_iterations", "save_every", "eval_episodes", "quiet", "tensorboard", "threads",
+                     "dist_timeout", "trainer_cuda_graphs")  # fmt: skip
+"""The flags a resumed run may change; every other one is the run's own (its args.json)."""
+
+
 def parse_args(argv: list[str] | None = None) -> Args:
-    """Command-line flags, one per `Args` field (``--total-iterations 40``, ``--anneal-lr``, ``--no-joint``)."""
-    return parse_dataclass(Args, argv)
+    """Command-line flags, one per `Args` field (``--total-iterations 40``, ``--anneal-lr``, ``--no-joint``).
+
+    With ``--resume DIR`` a flag left out takes the run's saved value, and a flag outside `RESUMABLE_CHANGES` that
+    differs from it is refused.
+    """
+    argv = sys.argv[1:] if argv is None else list(argv)
+    args = parse_dataclass(Args, argv)
+    if args.resume is None:
+        return args
+    saved = _saved_args(args.resume)
+    given = {tok[2:].split("=")[0].removeprefix("no-").replace("-", "_") for tok in argv if tok.startswith("--")}
+    for name in given - {"resume", *RESUMABLE_CHANGES}:
+        if name in saved and getattr(args, name) != saved[name]:
+            raise ValueError(
+                f"--{name.replace('_', '-')}: a resumed run keeps its own flags; {args.resume}/args.json has "
+                f"{saved[name]!r}, got {getattr(args, name)!r}. Fix: drop the flag (only "
+                f"{', '.join('--' + n.replace('_', '-') for n in RESUMABLE_CHANGES)} may change)."
+            )
+    return replace(args, **{name: saved[name] for name in RESUMABLE_CHANGES if name not in given})
+
+
+def _saved_args(run_dir: str) -> dict:
+    """The `Args` fields a run folder was started with (its args.json)."""
+    file = Path(run_dir) / "args.json"
+    if not file.is_file():
+        raise FileNotFoundError(f"--resume: {str(file)!r} does not exist. Fix: pass a folder written by --run-dir.")
+    return json.loads(file.read_text())
+
+
+def resumed_args(args: Args) -> Args:
+    """The run's saved flags, with `RESUMABLE_CHANGES` (and the run folder) taken from `args`."""
+    saved = _saved_args(args.resume)
+    init = {f.name for f in fields(Args) if f.init}
+    kept = {k: v for k, v in saved.items() if k in init and k not in RESUMABLE_CHANGES}
+    return Args(**{**kept, **{k: getattr(args, k) for k in RESUMABLE_CHANGES}, "run_dir": args.resume,
+                   "resume": args.resume})  # fmt: skip
+
+
+def prepare_run_dir(args: Args, rank: int) -> Path | None:
+    """The checkpoint to resume from (None: a fresh run); a fresh run's folder gets its args.json.
+
+    A fresh run refuses a folder that already holds checkpoints (resume it, or pick another folder).
+    """
+    if args.run_dir is None:
+        return None
+    run = Path(args.run_dir)
+    last = latest_checkpoint(run)
+    if args.resume is not None:
+        if last is None:
+            raise FileNotFoundError(f"--resume: {str(run)!r} has no checkpoint yet (checkpoints/last). Fix: start "
+                                    "it again with --run-dir, or resume a run that saved one.")  # fmt: skip
+        return last
+    if last is not None or (run / "checkpoints").exists():
+        raise FileExistsError(f"--run-dir: {str(run)!r} already holds a run's checkpoints. Fix: pass --resume "
+                              f"{run} to continue it, or another --run-dir.")  # fmt: skip
+    if rank == 0:
+        run.mkdir(parents=True, exist_ok=True)
+        saved = {f.name: getattr(args, f.name) for f in fields(Args) if f.init}
+        (run / "args.json").write_text(json.dumps(saved, indent=2) + "\n")
+    return None
+
+
+def save_policy(policy, folder: Path) -> None:
+    """The policy in the LeRobot layout; its rollout settings without the trainer-only prefix copies."""
+    policy.save_pretrained(folder)
+    settings = json.loads((folder / "policy_config.json").read_text())
+    settings["rollout"]["keep_prefix"] = False  # a copy of the prefix K/V per sample is the PPO trainer's business
+    (folder / "policy_config.json").write_text(json.dumps(settings, indent=2) + "\n")
 
 
 def train(args: Args) -> dict:
@@ -185,13 +283,22 @@ def train(args: Args) -> dict:
     The curve CSV and its plot are written on the way out, also when the loop is interrupted (Ctrl-C).
     Under torchrun every rank runs this; rank 0 writes the curve and prints, every rank returns the same curve.
     """
+    if args.resume is not None:
+        args = resumed_args(args)
     group = ProcessGroup.from_env(args.device, timeout_s=args.dist_timeout)  # None: not launched by torchrun
     rank = 0 if group is None else group.rank
     ranks = "" if group is None else f", {group.world_size} ranks"
     title = f"PPO, {args.config} PI0.5, {args.env}, {args.device}{ranks}"
-    curves = CurveLog(args.csv if rank == 0 else None, args.total_iterations, title=title)
+    resume_from = prepare_run_dir(args, rank)
+    tensorboard = None
+    if args.tensorboard and rank == 0:
+        csv_path = Path(args.csv or "ppo_curve.csv")
+        tensorboard = Path(args.run_dir) / "tensorboard" if args.run_dir else csv_path.parent / "runs" / csv_path.stem
+    resume_after = None if resume_from is None else int(resume_from.name)
+    curves = CurveLog(args.csv if rank == 0 else None, args.total_iterations, title=title, resume_after=resume_after,
+                      tensorboard=tensorboard)  # fmt: skip
     try:
-        return _train(args, curves, group)
+        return _train(args, curves, group, resume_from)
     finally:
         files = curves.close()
         done = f"{len(curves.rows)}/{args.total_iterations} iterations"
@@ -204,7 +311,7 @@ def train(args: Args) -> dict:
             group.close()
 
 
-def _train(args: Args, curves: CurveLog, group: ProcessGroup | None) -> dict:
+def _train(args: Args, curves: CurveLog, group: ProcessGroup | None, resume_from: Path | None = None) -> dict:
     rank, world = (0, 1) if group is None else (group.rank, group.world_size)
     random.seed(args.seed)
     np.random.seed(args.seed + rank)  # the minibatch shuffle: each rank shuffles its own samples
@@ -260,6 +367,15 @@ def _train(args: Args, curves: CurveLog, group: ProcessGroup | None) -> dict:
         [{"params": groups[0], "lr": args.learning_rate}, {"params": groups[1], "lr": args.value_lr}], eps=1e-5
     )
     grad_mean = None if group is None else GradientMean(group)  # DDP's mean, on the float32 master gradients
+    state = TrainingState(list(zip(names, master.parameters())), optimizer)  # what a checkpoint restores
+    start, global_step = 1, 0
+    if resume_from is not None:  # masters, optimizer and RNG streams as saved; the rollout gets the weights
+        step = state.load(resume_from)
+        master.masters_to_model()
+        policy.begin_weight_update("all")
+        policy.update_weights(trainer.model)
+        policy.finish_weight_update(version=step["weight_version"])
+        start, global_step = step["iteration"] + 1, step["global_step"]
     envs = PolicyVectorEnv(raw_env, policy, action_chunk=args.action_chunk)
 
     # ---- storage: (T, N) scalars preallocated; the T calls' samples (inputs, chains, prefix K/V) ----------
@@ -271,11 +387,12 @@ def _train(args: Args, curves: CurveLog, group: ProcessGroup | None) -> dict:
     values = torch.zeros((T, N), device=device)
 
     # ---- start the game ----------------------------------------------------------------------------
-    global_step = 0
     start_time = time.perf_counter()
-    obs, _ = envs.reset(seed=args.seed + env_offset)  # env i: seed + env_offset + i
+    obs = None
     times = {"rollout": 0.0, "train": 0.0, "sync": 0.0}
-    for iteration in range(1, args.total_iterations + 1):
+    for iteration in range(start, args.total_iterations + 1):
+        if obs is None or args.reset_every_iteration:  # env i: seed + env_offset + i, then fresh seeds per iteration
+            obs, _ = envs.reset(seed=args.seed + env_offset + (iteration - 1) * world * N)
         if args.anneal_lr:
             frac = 1.0 - (iteration - 1.0) / args.total_iterations
             optimizer.param_groups[0]["lr"] = frac * args.learning_rate
@@ -424,6 +541,11 @@ def _train(args: Args, curves: CurveLog, group: ProcessGroup | None) -> dict:
                 f"rollout {t_rollout:.2f}s train {t_train:.2f}s sync {t_sync * 1e3:.1f}ms v{report.version}",
                 flush=True,
             )
+        if args.run_dir is not None and rank == 0 and (
+            iteration == args.total_iterations or (args.save_every and iteration % args.save_every == 0)
+        ):
+            counters = {"global_step": global_step, "weight_version": report.version}
+            state.save(args.run_dir, iteration, counters, write_policy=lambda folder: save_policy(policy, folder))
 
     # ---- final success rates of the trained rollout policy ----------------------------------------
     final = {
@@ -441,7 +563,7 @@ def _train(args: Args, curves: CurveLog, group: ProcessGroup | None) -> dict:
             f"time split: rollout {times['rollout'] / total:.0%}, training {times['train'] / total:.0%}, "
             f"weight sync {times['sync'] / total:.1%} of {total:.1f}s"
         )
-    return {"curve": curves.rows, "final": final, "times": times, "trainer": trainer}
+    return {"curve": curves.rows, "final": final, "times": times, "trainer": trainer, "policy": policy}
 
 
 def shuffled_minibatches(batch_size: int, epochs: int, minibatch_size: int):

@@ -225,7 +225,7 @@ def parse_args(argv: list[str] | None = None) -> Args:
                 f"{saved[name]!r}, got {getattr(args, name)!r}. Fix: drop the flag (only "
                 f"{', '.join('--' + n.replace('_', '-') for n in RESUMABLE_CHANGES)} may change)."
             )
-    return replace(args, **{name: saved[name] for name in RESUMABLE_CHANGES if name not in given})
+    return resumed_args(replace(args, **{name: saved[name] for name in RESUMABLE_CHANGES if name not in given}))
 
 
 def _saved_args(run_dir: str) -> dict:

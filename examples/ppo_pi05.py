@@ -18,6 +18,14 @@ episodes are bootstrapped with the critic on their final observation (``infos["p
     python examples/ppo_pi05.py --env libero_spatial --checkpoint DIR --preset rlinf_pi05_libero --device cuda
     python examples/ppo_pi05.py --help                          # every flag, its meaning and default
 
+Issue 40's defaults (docs/rl.md): one clipped ratio per Gaussian element of the chunk (``--logprob-reduction``),
+the actor at 5e-6 and the value head at 1e-4 (``--value-lr``) for the base config. ``--run-dir DIR`` keeps the curve
+and checkpoints in LeRobot's layout (``DIR/checkpoints/<iteration>/pretrained_model`` loads with `make_policy`),
+``--resume DIR`` continues a run, ``--tensorboard`` logs beside the CSV.
+
+    python examples/ppo_pi05.py --run-dir runs/a --save-every 5 --tensorboard    # checkpoints every 5 iterations
+    python examples/ppo_pi05.py --resume runs/a --total-iterations 40            # continue it to 40
+
 The curve is written as it goes (``--csv``, one row flushed per iteration) and plotted next to it (same name,
 ``.png``) at the end and on Ctrl-C; `phyai_gym.curves` does both. A rerun with the same ``--csv`` starts from
 iteration 1 in a fresh file and keeps the earlier one as ``<stem>.<k>.csv`` (nothing lost, nothing duplicated).
@@ -49,7 +57,7 @@ from phyai_gym.curves import CurveLog
 from phyai_gym.dataclass_cli import parse_dataclass
 from phyai_gym.distributed import GradientMean, ProcessGroup
 from phyai_gym.make import make_env, make_policy
-from phyai_gym.ppo_math import LOGPROB_REDUCTIONS, log_ratio
+from phyai_gym.ppo_math import LOGPROB_REDUCTIONS, RewardNormalizer, log_ratio
 from phyai_gym.threads import configure_threads
 from phyai_gym.training_state import TrainingState, latest_checkpoint
 from policies.master_weights import MasterWeights
@@ -127,6 +135,9 @@ class Args:
     """epochs over each rollout"""
     norm_adv: bool = True
     """normalise advantages per minibatch"""
+    norm_reward: bool = False
+    """divide rewards by the running std of the discounted return (cleanrl's NormalizeReward): with dense rewards
+    (MuJoCo) returns are tens, and value clipping lets a value move only --clip-coef per iteration (docs/rl.md)"""
     clip_coef: float = 0.2
     """surrogate clipping coefficient"""
     clip_vloss: bool = True
@@ -368,6 +379,7 @@ def _train(args: Args, curves: CurveLog, group: ProcessGroup | None, resume_from
     )
     grad_mean = None if group is None else GradientMean(group)  # DDP's mean, on the float32 master gradients
     state = TrainingState(list(zip(names, master.parameters())), optimizer)  # what a checkpoint restores
+    reward_norm = RewardNormalizer(args.num_envs, args.gamma, device=device) if args.norm_reward else None
     start, global_step = 1, 0
     if resume_from is not None:  # masters, optimizer and RNG streams as saved; the rollout gets the weights
         step = state.load(resume_from)
@@ -376,6 +388,8 @@ def _train(args: Args, curves: CurveLog, group: ProcessGroup | None, resume_from
         policy.update_weights(trainer.model)
         policy.finish_weight_update(version=step["weight_version"])
         start, global_step = step["iteration"] + 1, step["global_step"]
+        if reward_norm is not None:
+            reward_norm.load_state_dict(step["reward_norm"])
     envs = PolicyVectorEnv(raw_env, policy, action_chunk=args.action_chunk)
 
     # ---- storage: (T, N) scalars preallocated; the T calls' samples (inputs, chains, prefix K/V) ----------
@@ -412,8 +426,11 @@ def _train(args: Args, curves: CurveLog, group: ProcessGroup | None, resume_from
                 # bootstrap truncations with V(final obs): r + gamma * V(s_T), then treat the step as done
                 final_value = infos["policy"]["final_value"].to(device)
                 trunc = torch.as_tensor(truncated, device=device) & ~torch.as_tensor(terminated, device=device)
-                rewards[step] = torch.as_tensor(reward, device=device).float() + args.gamma * final_value * trunc
                 dones[step] = torch.as_tensor(terminated | truncated, device=device).float()
+                reward = torch.as_tensor(reward, device=device).float()
+                if reward_norm is not None:  # scaled by the running std of the discounted return
+                    reward = reward_norm(reward, dones[step])
+                rewards[step] = reward + args.gamma * final_value * trunc
                 if "episode" in infos:
                     ended = _numpy(infos["_episode"])
                     returns_done += _numpy(infos["episode"]["r"])[ended].tolist()
@@ -541,10 +558,14 @@ def _train(args: Args, curves: CurveLog, group: ProcessGroup | None, resume_from
                 f"rollout {t_rollout:.2f}s train {t_train:.2f}s sync {t_sync * 1e3:.1f}ms v{report.version}",
                 flush=True,
             )
-        if args.run_dir is not None and rank == 0 and (
-            iteration == args.total_iterations or (args.save_every and iteration % args.save_every == 0)
+        if (
+            args.run_dir is not None
+            and rank == 0
+            and (iteration == args.total_iterations or (args.save_every and iteration % args.save_every == 0))
         ):
             counters = {"global_step": global_step, "weight_version": report.version}
+            if reward_norm is not None:
+                counters["reward_norm"] = reward_norm.state_dict()
             state.save(args.run_dir, iteration, counters, write_policy=lambda folder: save_policy(policy, folder))
 
     # ---- final success rates of the trained rollout policy ----------------------------------------

@@ -143,3 +143,47 @@ def ppo_loss(
         clipfrac = ((ratio - 1.0).abs() > clip_coef).float().mean()
     return {"loss": loss, "pg_loss": pg_loss.detach(), "v_loss": v_loss.detach(), "approx_kl": approx_kl,
             "clipfrac": clipfrac}  # fmt: skip
+
+
+class RewardNormalizer:
+    """Rewards divided by the running std of the discounted return: Gymnasium's `NormalizeReward` on (N,) tensors.
+
+    PPO's value clipping moves a value at most ``clip_coef`` from the rollout's per iteration, so returns of tens
+    (a dense MuJoCo reward summed over a chunk) take hundreds of iterations to fit and the explained variance stays
+    near 0; cleanrl's continuous PPO normalises rewards for this reason. The state (the per-env discounted returns
+    and the running moments) is plain floats, `state_dict()`, for a checkpoint.
+
+    Example:
+        >>> norm = RewardNormalizer(2, gamma=0.99)
+        >>> r = norm(torch.tensor([10.0, -10.0]), torch.zeros(2))
+        >>> bool(r.abs().max() < 10.0), norm.count > 1
+        (True, True)
+    """
+
+    def __init__(self, num_envs: int, gamma: float, epsilon: float = 1e-8, device: str | torch.device = "cpu") -> None:
+        self.gamma, self.epsilon = gamma, epsilon
+        self.returns = torch.zeros(num_envs, dtype=torch.float64, device=device)
+        # running moments of the discounted returns, on the device (no host sync per step)
+        self.mean, self.var = torch.zeros((), dtype=torch.float64, device=device), torch.ones_like(self.returns[0])
+        self.count = 1e-4
+
+    def __call__(self, reward: torch.Tensor, terminated: torch.Tensor) -> torch.Tensor:
+        """The scaled (N,) rewards of one step; `terminated` (N,) ends the discounted returns (as Gymnasium)."""
+        self.returns = self.returns * self.gamma * (1.0 - terminated.double()) + reward.double()
+        n = self.returns.numel()
+        batch_mean, batch_var = self.returns.mean(), self.returns.var(unbiased=False)
+        delta, total = batch_mean - self.mean, self.count + n  # Chan's parallel update (Gymnasium's RunningMeanStd)
+        m2 = self.var * self.count + batch_var * n + delta * delta * self.count * n / total
+        self.mean, self.var, self.count = self.mean + delta * n / total, m2 / total, total
+        return (reward.double() / (self.var + self.epsilon).sqrt()).to(reward.dtype)
+
+    def state_dict(self) -> dict:
+        """Plain-float state (JSON-able)."""
+        return {"returns": self.returns.tolist(), "mean": float(self.mean), "var": float(self.var), "count": self.count}
+
+    def load_state_dict(self, state: dict) -> None:
+        """Restore what `state_dict` returned."""
+        like = dict(dtype=torch.float64, device=self.returns.device)
+        self.returns = torch.tensor(state["returns"], **like)
+        self.mean, self.var = torch.tensor(state["mean"], **like), torch.tensor(state["var"], **like)
+        self.count = state["count"]

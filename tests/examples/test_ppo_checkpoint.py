@@ -46,7 +46,7 @@ def test_checkpoint_loads_with_make_policy_and_acts_bitwise(tmp_path):
 
 def test_resume_after_2_of_4_iterations_gives_the_straight_curve(tmp_path):
     ppo = _ppo_module()
-    common = dict(reset_every_iteration=True, **TINY)
+    common = dict(reset_every_iteration=True, norm_reward=True, **TINY)  # the normalizer state is restored too
     ppo.train(ppo.Args(total_iterations=4, run_dir=str(tmp_path / "straight"), **common))
     ppo.train(ppo.Args(total_iterations=2, run_dir=str(tmp_path / "split"), **common))
     resumed = ppo.train(ppo.Args(total_iterations=4, resume=str(tmp_path / "split"), quiet=True))

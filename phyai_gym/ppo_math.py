@@ -167,14 +167,15 @@ class RewardNormalizer:
         self.mean, self.var = torch.zeros((), dtype=torch.float64, device=device), torch.ones_like(self.returns[0])
         self.count = 1e-4
 
-    def __call__(self, reward: torch.Tensor, terminated: torch.Tensor) -> torch.Tensor:
-        """The scaled (N,) rewards of one step; `terminated` (N,) ends the discounted returns (as Gymnasium)."""
-        self.returns = self.returns * self.gamma * (1.0 - terminated.double()) + reward.double()
+    def __call__(self, reward: torch.Tensor, done: torch.Tensor) -> torch.Tensor:
+        """The scaled (N,) rewards of one step; `done` (N,) 1.0 where the episode ended in it (its return restarts)."""
+        self.returns = self.returns * self.gamma + reward.double()
         n = self.returns.numel()
         batch_mean, batch_var = self.returns.mean(), self.returns.var(unbiased=False)
         delta, total = batch_mean - self.mean, self.count + n  # Chan's parallel update (Gymnasium's RunningMeanStd)
         m2 = self.var * self.count + batch_var * n + delta * delta * self.count * n / total
         self.mean, self.var, self.count = self.mean + delta * n / total, m2 / total, total
+        self.returns = self.returns * (1.0 - done.double())  # the next step starts a new episode's return
         return (reward.double() / (self.var + self.epsilon).sqrt()).to(reward.dtype)
 
     def state_dict(self) -> dict:

@@ -240,7 +240,11 @@ def plot_curves(rows: Sequence[Mapping[str, Any]], path: str | Path, title: str 
     x_key = "global_step" if rows and "global_step" in rows[0] else "iteration"
     x = _column(rows, x_key) if rows and x_key in rows[0] else list(range(1, len(rows) + 1))
     fig, axes = plt.subplots(2, 3, figsize=(13, 6.5))
-    for ax, (key, label) in zip(axes.flat, PANELS):
+    panels = PANELS
+    if rows and not any(key in rows[0] for key, _ in PANELS):  # not a PPO curve (e.g. SFT): its own columns
+        skip = {"iteration", x_key}
+        panels = tuple((k, k.replace("_", " ")) for k in rows[0] if k not in skip and not k.startswith("time_"))[:5]
+    for ax, (key, label) in zip(axes.flat, panels):
         ax.set_title(label, fontsize=10)
         values = _column(rows, key) if rows and key in rows[0] else []
         if any(math.isfinite(v) for v in values):

@@ -16,6 +16,12 @@ from tests.examples.test_ppo import _ppo_module
 TINY = dict(num_envs=4, num_steps=2, eval_episodes=0, quiet=True)
 
 
+@pytest.fixture(autouse=True)
+def no_plots(monkeypatch):
+    """The curve's PNG is test_curves.py's business; rendering it costs seconds per run here."""
+    monkeypatch.setattr("phyai_gym.curves.plot_curves", lambda *args, **kwargs: None)
+
+
 def _curve(path) -> list[dict[str, str]]:
     """The CSV's rows without the wall-time columns."""
     with open(path, newline="") as handle:

@@ -10,6 +10,7 @@ import numpy as np
 import pytest
 import torch
 
+from phyai_gym.cli import main as cli_main
 from phyai_gym.make import make_env, make_policy
 from tests.examples.test_ppo import _ppo_module
 
@@ -48,6 +49,7 @@ def test_checkpoint_loads_with_make_policy_and_acts_bitwise(tmp_path):
     env.close()
     steps = json.loads((folder.parent / "training_state" / "training_step.json").read_text())
     assert steps == {"iteration": 2, "global_step": 16, "weight_version": 3}
+    assert cli_main(["eval", "--checkpoint", str(folder), "--env", "target", "--episodes", "4"]) == 0
 
 
 def test_resume_after_2_of_4_iterations_gives_the_straight_curve(tmp_path):

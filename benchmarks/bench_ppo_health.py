@@ -5,6 +5,7 @@ granularities (issue 40; docs/rl.md explains the numbers).
     python -m benchmarks.bench_ppo_health --config base --device cuda       # the base geometry on a GPU
     python -m benchmarks.bench_ppo_health --config base --device cuda --env Pusher-v5 --num-envs 32 \\
         --action-chunk 5 --num-steps 4 --lrs 2e-5 5e-6 --reductions sum element
+    python -m benchmarks.bench_ppo_health --env Pusher-v5 --flags "--norm-reward --update-epochs 2"   # any example flag
 
 Every (env, lr, reduction, seed) runs the example's `train()` in this process for `--iterations` iterations from
 the same initial weights and writes one ``ppo_health`` row: the means over every minibatch of every iteration of
@@ -18,6 +19,7 @@ from __future__ import annotations
 import argparse
 import importlib.util
 import math
+import shlex
 import sys
 from pathlib import Path
 from typing import Any
@@ -62,6 +64,7 @@ def health_row(curve: list[dict[str, Any]], args: Any) -> dict[str, Any]:
         "update_epochs": args.update_epochs,
         "num_minibatches": args.num_minibatches,
         "noise_level": args.noise_level,
+        "norm_reward": args.norm_reward,
         "approx_kl_mean": kl,
         "approx_kl_max": max(float(r["approx_kl_max"]) for r in curve),
         "approx_kl_first": float(curve[0]["approx_kl_first"]),
@@ -73,22 +76,33 @@ def health_row(curve: list[dict[str, Any]], args: Any) -> dict[str, Any]:
     }
 
 
+def _flags(ppo: Any, flags: str) -> dict[str, Any]:
+    """The example's fields that `flags` (its command-line syntax) sets explicitly."""
+    argv = shlex.split(flags)
+    parsed = ppo.parse_args(argv)
+    given = {tok[2:].split("=")[0].removeprefix("no-").replace("-", "_") for tok in argv if tok.startswith("--")}
+    return {name: getattr(parsed, name) for name in given}
+
+
 def run(options: argparse.Namespace) -> list[dict[str, Any]]:
     """One row per (env, lr, reduction, seed)."""
     ppo = _example()
+    extra = _flags(ppo, options.flags)
     rows = []
     for env in options.env:
         for lr in options.lrs or [None]:
             for reduction in options.reductions:
                 for seed in options.seeds:
                     args = ppo.Args(
+                        **extra,
                         env=env, config=options.config, device=options.device, seed=seed, learning_rate=lr,
                         logprob_reduction=reduction, total_iterations=options.iterations, num_envs=options.num_envs,
                         num_steps=options.num_steps, action_chunk=options.action_chunk, eval_episodes=0, csv=None,
                         quiet=True,
                     )  # fmt: skip
                     result = ppo.train(args)
-                    rows += write_rows("ppo_health", [health_row(result["curve"], args)], options.out)
+                    row = {**health_row(result["curve"], args), "flags": options.flags}
+                    rows += write_rows("ppo_health", [row], options.out)
     return rows
 
 
@@ -106,6 +120,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--num-envs", type=int, default=32)
     parser.add_argument("--num-steps", type=int, default=4, help="T, policy calls per env per rollout")
     parser.add_argument("--action-chunk", type=int, default=1, help="C (Pusher in issue 40: 5)")
+    parser.add_argument("--flags", default="", help='more ppo_pi05.py flags for every run, e.g. "--norm-reward"')
     parser.add_argument("--out", type=Path, default=None, help="folder for ppo_health.jsonl (default: results/)")
     run(parser.parse_args(argv))
 

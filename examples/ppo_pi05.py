@@ -169,10 +169,12 @@ class Args:
     tensorboard/"""
     save_every: int = 0
     """write a checkpoint every K iterations (needs --run-dir; 0: only after the last iteration)"""
+    keep_checkpoints: int = 2
+    """keep the newest K checkpoints, delete older ones (0: keep all; a base-config checkpoint is about 12 GB)"""
     resume: str | None = None
     """a run folder: continue it from its last checkpoint (weights, float32 masters, optimizer, RNG, iteration) with
-    the flags it was started with; only --total-iterations, --save-every, --eval-episodes, --quiet, --tensorboard,
-    --threads, --dist-timeout and --trainer-cuda-graphs may change"""
+    the flags it was started with; only --total-iterations, --save-every, --keep-checkpoints, --eval-episodes,
+    --quiet, --tensorboard, --threads, --dist-timeout and --trainer-cuda-graphs may change"""
     reset_every_iteration: bool = False
     """start every rollout from a seeded reset of all envs (RLinf's LIBERO setting; episodes never cross an
     iteration); a resumed run is then bitwise the straight run, while without it the resumed run resets its envs
@@ -212,8 +214,8 @@ class Args:
             raise ValueError(f"--dist-timeout: expected seconds > 0, got {self.dist_timeout!r}. Fix: pass e.g. 300.")
 
 
-RESUMABLE_CHANGES = ("total_iterations", "save_every", "eval_episodes", "quiet", "tensorboard", "threads",
-                     "dist_timeout", "trainer_cuda_graphs")  # fmt: skip
+RESUMABLE_CHANGES = ("total_iterations", "save_every", "keep_checkpoints", "eval_episodes", "quiet", "tensorboard",
+                     "threads", "dist_timeout", "trainer_cuda_graphs")  # fmt: skip
 """The flags a resumed run may change; every other one is the run's own (its args.json)."""
 
 
@@ -236,7 +238,8 @@ def parse_args(argv: list[str] | None = None) -> Args:
                 f"{saved[name]!r}, got {getattr(args, name)!r}. Fix: drop the flag (only "
                 f"{', '.join('--' + n.replace('_', '-') for n in RESUMABLE_CHANGES)} may change)."
             )
-    return resumed_args(replace(args, **{name: saved[name] for name in RESUMABLE_CHANGES if name not in given}))
+    kept = {name: saved[name] for name in RESUMABLE_CHANGES if name not in given and name in saved}
+    return resumed_args(replace(args, **kept))
 
 
 def _saved_args(run_dir: str) -> dict:
@@ -566,7 +569,8 @@ def _train(args: Args, curves: CurveLog, group: ProcessGroup | None, resume_from
             counters = {"global_step": global_step, "weight_version": report.version}
             if reward_norm is not None:
                 counters["reward_norm"] = reward_norm.state_dict()
-            state.save(args.run_dir, iteration, counters, write_policy=lambda folder: save_policy(policy, folder))
+            state.save(args.run_dir, iteration, counters, lambda folder: save_policy(policy, folder),
+                       keep=args.keep_checkpoints)  # fmt: skip
 
     # ---- final success rates of the trained rollout policy ----------------------------------------
     final = {

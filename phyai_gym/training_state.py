@@ -77,8 +77,13 @@ class TrainingState:
         iteration: int,
         counters: dict[str, Any],
         write_policy: Callable[[Path], Any] | None = None,
+        keep: int = 0,
     ) -> Path:
-        """Write checkpoint `iteration` (``write_policy(folder)`` writes ``pretrained_model``); moves ``last``."""
+        """Write checkpoint `iteration` (``write_policy(folder)`` writes ``pretrained_model``); moves ``last``.
+
+        `keep` > 0 then deletes all but the newest `keep` checkpoints (a base-config checkpoint is about 12 GB:
+        bf16 weights, float32 masters and Adam's two moments).
+        """
         final = checkpoint_dir(run_dir, iteration)
         tmp = final.with_name(final.name + ".tmp")
         shutil.rmtree(tmp, ignore_errors=True)
@@ -111,6 +116,10 @@ class TrainingState:
         tmp_link.unlink(missing_ok=True)
         tmp_link.symlink_to(final.name)
         os.replace(tmp_link, link)
+        if keep > 0:
+            done = sorted(d for d in final.parent.iterdir() if d.name.isdigit() and d.is_dir())
+            for old in done[:-keep]:
+                shutil.rmtree(old)
         return final
 
     def load(self, folder: str | Path) -> dict[str, Any]:

@@ -68,7 +68,8 @@ def test_resume_after_2_of_4_iterations_gives_the_straight_curve(tmp_path):
 def test_resume_drops_rows_written_after_its_checkpoint(tmp_path):
     ppo = _ppo_module()
     run = tmp_path / "run"
-    ppo.train(ppo.Args(total_iterations=3, run_dir=str(run), save_every=2, **TINY))
+    ppo.train(ppo.Args(total_iterations=3, run_dir=str(run), save_every=1, keep_checkpoints=2, **TINY))
+    assert sorted(p.name for p in (run / "checkpoints").iterdir()) == ["000002", "000003", "last"]  # 000001 pruned
     (run / "checkpoints" / "last").unlink()
     (run / "checkpoints" / "last").symlink_to("000002")  # as if killed before iteration 3's checkpoint
     ppo.train(ppo.Args(total_iterations=3, resume=str(run), quiet=True))

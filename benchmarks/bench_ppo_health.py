@@ -17,6 +17,7 @@ comparable across granularities), of the clip fraction, and the explained varian
 from __future__ import annotations
 
 import argparse
+import gc
 import importlib.util
 import math
 import shlex
@@ -25,6 +26,7 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
+import torch
 
 from benchmarks.common import write_rows
 
@@ -103,6 +105,10 @@ def run(options: argparse.Namespace) -> list[dict[str, Any]]:
                     result = ppo.train(args)
                     row = {**health_row(result["curve"], args), "flags": options.flags}
                     rows += write_rows("ppo_health", [row], options.out)
+                    del result  # two base-config policies: free them before the next run builds its own
+                    gc.collect()
+                    if torch.cuda.is_available():
+                        torch.cuda.empty_cache()
     return rows
 
 

@@ -108,6 +108,8 @@ TABLES: dict[str, Table] = {
     "ppo_seeds": Table(("config", "flags", "iterations", "seeds"),
                        ("mean_deterministic", "final_success_deterministic", "mean_stochastic", "episodes_each",
                         "concurrent_runs", "failed_seeds")),
+    "ppo_health": Table(("config", "env", "action_chunk", "lr", "logprob_reduction", "flags", "seed"),
+                        ("approx_kl_mean", "approx_kl_chunk_mean", "clipfrac_mean", "explained_variance", "healthy")),
 }
 """Case and shown fields per benchmark (add a line with a new benchmark)."""
 

@@ -18,6 +18,14 @@ episodes are bootstrapped with the critic on their final observation (``infos["p
     python examples/ppo_pi05.py --env libero_spatial --checkpoint DIR --preset rlinf_pi05_libero --device cuda
     python examples/ppo_pi05.py --help                          # every flag, its meaning and default
 
+Issue 40's defaults (docs/rl.md): one clipped ratio per Gaussian element of the chunk (``--logprob-reduction``),
+the actor at 5e-6 and the value head at 1e-4 (``--value-lr``) for the base config. ``--run-dir DIR`` keeps the curve
+and checkpoints in LeRobot's layout (``DIR/checkpoints/<iteration>/pretrained_model`` loads with `make_policy`),
+``--resume DIR`` continues a run, ``--tensorboard`` logs beside the CSV.
+
+    python examples/ppo_pi05.py --run-dir runs/a --save-every 5 --tensorboard    # checkpoints every 5 iterations
+    python examples/ppo_pi05.py --resume runs/a --total-iterations 40            # continue it to 40
+
 The curve is written as it goes (``--csv``, one row flushed per iteration) and plotted next to it (same name,
 ``.png``) at the end and on Ctrl-C; `phyai_gym.curves` does both. A rerun with the same ``--csv`` starts from
 iteration 1 in a fresh file and keeps the earlier one as ``<stem>.<k>.csv`` (nothing lost, nothing duplicated).
@@ -35,9 +43,12 @@ is split over the ranks. Without torchrun (no WORLD_SIZE) nothing of this runs.
 
 from __future__ import annotations
 
+import json
 import random
+import sys
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields, replace
+from pathlib import Path
 
 import numpy as np
 import torch
@@ -46,7 +57,9 @@ from phyai_gym.curves import CurveLog
 from phyai_gym.dataclass_cli import parse_dataclass
 from phyai_gym.distributed import GradientMean, ProcessGroup
 from phyai_gym.make import make_env, make_policy
+from phyai_gym.ppo_math import LOGPROB_REDUCTIONS, RewardNormalizer, log_ratio
 from phyai_gym.threads import configure_threads
+from phyai_gym.training_state import TrainingState, latest_checkpoint
 from policies.master_weights import MasterWeights
 from policies.pi05.batch import RolloutBatch
 from policies.pi05.policy import RolloutConfig
@@ -101,8 +114,15 @@ class Args:
     total_iterations: int = 20
     """PPO iterations (rollout + update + weight sync)"""
     learning_rate: float | None = None
-    """Adam learning rate (default: 3e-3 for the tiny config; 2e-5 for random base weights, the best of 5e-6 to 3e-5
-    on the target task across seeds (benchmarks/README.md); 5e-6, RLinf's PI0.5 actor rate, for checkpoints)"""
+    """Adam learning rate of the policy (default: 3e-3 for the tiny config; 5e-6, RLinf's PI0.5 actor rate, for the
+    base config and checkpoints: at 2e-5 the base expert's updates leave the trust region, docs/rl.md)"""
+    value_lr: float | None = None
+    """Adam learning rate of the value head (default: --learning-rate for the tiny config; 1e-4, RLinf's value_lr,
+    for the base config and checkpoints: at the actor's 5e-6 the head's output moves too little to fit returns)"""
+    logprob_reduction: str = "element"
+    """granularity of the PPO ratio (RLinf's logprob_type; docs/rl.md): "element" (one clipped ratio per C x A
+    Gaussian element), "action" (per executed action, summed over A), "sum" (one per sample: the chunk's likelihood
+    ratio), "mean" (one per sample, the mean element log-ratio)"""
     anneal_lr: bool = False
     """linearly anneal the learning rate to 0"""
     gamma: float = 0.99
@@ -115,6 +135,9 @@ class Args:
     """epochs over each rollout"""
     norm_adv: bool = True
     """normalise advantages per minibatch"""
+    norm_reward: bool = False
+    """divide rewards by the running std of the discounted return (cleanrl's NormalizeReward): with dense rewards
+    (MuJoCo) returns are tens, and value clipping lets a value move only --clip-coef per iteration (docs/rl.md)"""
     clip_coef: float = 0.2
     """surrogate clipping coefficient"""
     clip_vloss: bool = True
@@ -136,6 +159,26 @@ class Args:
     existing file is kept as <stem>.<k>.csv, never appended to (none: do not write)"""
     quiet: bool = False
     """no per-iteration line"""
+    tensorboard: bool = False
+    """also log every row to TensorBoard, cleanrl's tags (in <run-dir>/tensorboard, else runs/<csv stem> next to
+    the CSV); needs the tensorboard package (pip install tensorboard)"""
+    # Run folder: checkpoints and resume (phyai_gym.training_state)
+    run_dir: str | None = None
+    """a folder for the run: args.json, curve.csv and its plot (instead of --csv), checkpoints/ in LeRobot's layout
+    (each checkpoints/<iteration>/pretrained_model loads with make_policy and phyai-gym eval --checkpoint), and
+    tensorboard/"""
+    save_every: int = 0
+    """write a checkpoint every K iterations (needs --run-dir; 0: only after the last iteration)"""
+    keep_checkpoints: int = 2
+    """keep the newest K checkpoints, delete older ones (0: keep all; a base-config checkpoint is about 12 GB)"""
+    resume: str | None = None
+    """a run folder: continue it from its last checkpoint (weights, float32 masters, optimizer, RNG, iteration) with
+    the flags it was started with; only --total-iterations, --save-every, --keep-checkpoints, --eval-episodes,
+    --quiet, --tensorboard, --threads, --dist-timeout and --trainer-cuda-graphs may change"""
+    reset_every_iteration: bool = False
+    """start every rollout from a seeded reset of all envs (RLinf's LIBERO setting; episodes never cross an
+    iteration); a resumed run is then bitwise the straight run, while without it the resumed run resets its envs
+    once and the episodes in progress at the checkpoint restart"""
     # torchrun
     dist_timeout: float = 300.0
     """torchrun runs: seconds that joining the group and every collective wait for the other ranks, after which
@@ -148,24 +191,104 @@ class Args:
     """batch_size // num_minibatches"""
 
     def __post_init__(self) -> None:
+        tiny = self.config == "tiny" and self.checkpoint is None
         if self.learning_rate is None:
-            if self.checkpoint is not None:
-                self.learning_rate = 5e-6
-            else:
-                self.learning_rate = 3e-3 if self.config == "tiny" else 2e-5
+            self.learning_rate = 3e-3 if tiny else 5e-6
+        if self.value_lr is None:
+            self.value_lr = self.learning_rate if tiny else 1e-4
+        if self.logprob_reduction not in LOGPROB_REDUCTIONS:
+            raise ValueError(f"--logprob-reduction: expected one of {', '.join(LOGPROB_REDUCTIONS)}, got "
+                             f"{self.logprob_reduction!r}. Fix: pass e.g. --logprob-reduction element.")  # fmt: skip
         self.batch_size = self.num_envs * self.num_steps
         self.minibatch_size = self.batch_size // self.num_minibatches
         if self.minibatch_size < 1:
             raise ValueError(f"num_minibatches ({self.num_minibatches}) > batch_size ({self.batch_size}).")
         if self.target_kl is not None and not self.target_kl > 0:
             raise ValueError(f"--target-kl: expected an approx-KL > 0, got {self.target_kl!r}. Fix: pass e.g. 0.5.")
+        if self.save_every < 0 or (self.save_every and self.run_dir is None):
+            raise ValueError(f"--save-every: expected 0, or K > 0 with --run-dir, got {self.save_every!r} (run dir "
+                             f"{self.run_dir!r}). Fix: pass --run-dir DIR.")  # fmt: skip
+        if self.run_dir is not None:
+            self.csv = str(Path(self.run_dir) / "curve.csv")
         if not self.dist_timeout > 0:
             raise ValueError(f"--dist-timeout: expected seconds > 0, got {self.dist_timeout!r}. Fix: pass e.g. 300.")
 
 
+RESUMABLE_CHANGES = ("total_iterations", "save_every", "keep_checkpoints", "eval_episodes", "quiet", "tensorboard",
+                     "threads", "dist_timeout", "trainer_cuda_graphs")  # fmt: skip
+"""The flags a resumed run may change; every other one is the run's own (its args.json)."""
+
+
 def parse_args(argv: list[str] | None = None) -> Args:
-    """Command-line flags, one per `Args` field (``--total-iterations 40``, ``--anneal-lr``, ``--no-joint``)."""
-    return parse_dataclass(Args, argv)
+    """Command-line flags, one per `Args` field (``--total-iterations 40``, ``--anneal-lr``, ``--no-joint``).
+
+    With ``--resume DIR`` a flag left out takes the run's saved value, and a flag outside `RESUMABLE_CHANGES` that
+    differs from it is refused.
+    """
+    argv = sys.argv[1:] if argv is None else list(argv)
+    args = parse_dataclass(Args, argv)
+    if args.resume is None:
+        return args
+    saved = _saved_args(args.resume)
+    given = {tok[2:].split("=")[0].removeprefix("no-").replace("-", "_") for tok in argv if tok.startswith("--")}
+    for name in given - {"resume", *RESUMABLE_CHANGES}:
+        if name in saved and getattr(args, name) != saved[name]:
+            raise ValueError(
+                f"--{name.replace('_', '-')}: a resumed run keeps its own flags; {args.resume}/args.json has "
+                f"{saved[name]!r}, got {getattr(args, name)!r}. Fix: drop the flag (only "
+                f"{', '.join('--' + n.replace('_', '-') for n in RESUMABLE_CHANGES)} may change)."
+            )
+    kept = {name: saved[name] for name in RESUMABLE_CHANGES if name not in given and name in saved}
+    return resumed_args(replace(args, **kept))
+
+
+def _saved_args(run_dir: str) -> dict:
+    """The `Args` fields a run folder was started with (its args.json)."""
+    file = Path(run_dir) / "args.json"
+    if not file.is_file():
+        raise FileNotFoundError(f"--resume: {str(file)!r} does not exist. Fix: pass a folder written by --run-dir.")
+    return json.loads(file.read_text())
+
+
+def resumed_args(args: Args) -> Args:
+    """The run's saved flags, with `RESUMABLE_CHANGES` (and the run folder) taken from `args`."""
+    saved = _saved_args(args.resume)
+    init = {f.name for f in fields(Args) if f.init}
+    kept = {k: v for k, v in saved.items() if k in init and k not in RESUMABLE_CHANGES}
+    return Args(**{**kept, **{k: getattr(args, k) for k in RESUMABLE_CHANGES}, "run_dir": args.resume,
+                   "resume": args.resume})  # fmt: skip
+
+
+def prepare_run_dir(args: Args, rank: int) -> Path | None:
+    """The checkpoint to resume from (None: a fresh run); a fresh run's folder gets its args.json.
+
+    A fresh run refuses a folder that already holds checkpoints (resume it, or pick another folder).
+    """
+    if args.run_dir is None:
+        return None
+    run = Path(args.run_dir)
+    last = latest_checkpoint(run)
+    if args.resume is not None:
+        if last is None:
+            raise FileNotFoundError(f"--resume: {str(run)!r} has no checkpoint yet (checkpoints/last). Fix: start "
+                                    "it again with --run-dir, or resume a run that saved one.")  # fmt: skip
+        return last
+    if last is not None or (run / "checkpoints").exists():
+        raise FileExistsError(f"--run-dir: {str(run)!r} already holds a run's checkpoints. Fix: pass --resume "
+                              f"{run} to continue it, or another --run-dir.")  # fmt: skip
+    if rank == 0:
+        run.mkdir(parents=True, exist_ok=True)
+        saved = {f.name: getattr(args, f.name) for f in fields(Args) if f.init}
+        (run / "args.json").write_text(json.dumps(saved, indent=2) + "\n")
+    return None
+
+
+def save_policy(policy, folder: Path) -> None:
+    """The policy in the LeRobot layout; its rollout settings without the trainer-only prefix copies."""
+    policy.save_pretrained(folder)
+    settings = json.loads((folder / "policy_config.json").read_text())
+    settings["rollout"]["keep_prefix"] = False  # a copy of the prefix K/V per sample is the PPO trainer's business
+    (folder / "policy_config.json").write_text(json.dumps(settings, indent=2) + "\n")
 
 
 def train(args: Args) -> dict:
@@ -174,13 +297,22 @@ def train(args: Args) -> dict:
     The curve CSV and its plot are written on the way out, also when the loop is interrupted (Ctrl-C).
     Under torchrun every rank runs this; rank 0 writes the curve and prints, every rank returns the same curve.
     """
+    if args.resume is not None:
+        args = resumed_args(args)
     group = ProcessGroup.from_env(args.device, timeout_s=args.dist_timeout)  # None: not launched by torchrun
     rank = 0 if group is None else group.rank
     ranks = "" if group is None else f", {group.world_size} ranks"
     title = f"PPO, {args.config} PI0.5, {args.env}, {args.device}{ranks}"
-    curves = CurveLog(args.csv if rank == 0 else None, args.total_iterations, title=title)
+    resume_from = prepare_run_dir(args, rank)
+    tensorboard = None
+    if args.tensorboard and rank == 0:
+        csv_path = Path(args.csv or "ppo_curve.csv")
+        tensorboard = Path(args.run_dir) / "tensorboard" if args.run_dir else csv_path.parent / "runs" / csv_path.stem
+    resume_after = None if resume_from is None else int(resume_from.name)
+    curves = CurveLog(args.csv if rank == 0 else None, args.total_iterations, title=title, resume_after=resume_after,
+                      tensorboard=tensorboard)  # fmt: skip
     try:
-        return _train(args, curves, group)
+        return _train(args, curves, group, resume_from)
     finally:
         files = curves.close()
         done = f"{len(curves.rows)}/{args.total_iterations} iterations"
@@ -193,7 +325,7 @@ def train(args: Args) -> dict:
             group.close()
 
 
-def _train(args: Args, curves: CurveLog, group: ProcessGroup | None) -> dict:
+def _train(args: Args, curves: CurveLog, group: ProcessGroup | None, resume_from: Path | None = None) -> dict:
     rank, world = (0, 1) if group is None else (group.rank, group.world_size)
     random.seed(args.seed)
     np.random.seed(args.seed + rank)  # the minibatch shuffle: each rank shuffles its own samples
@@ -242,25 +374,46 @@ def _train(args: Args, curves: CurveLog, group: ProcessGroup | None) -> dict:
     if rollout_cfg.keep_prefix:
         trainer.model.share_prefix(policy.model)  # the frozen prefix: one copy of its weights, the rollout's
     master = MasterWeights(p for _, p in trainer.trainable_parameters())  # float32 weights the optimizer steps
-    optimizer = torch.optim.Adam(master.parameters(), lr=args.learning_rate, eps=1e-5)
+    names = [name for name, p in trainer.trainable_parameters() if p.requires_grad]  # master.parameters()' order
+    groups = [[m for n, m in zip(names, master.parameters()) if n.startswith("value_head.") == critic]
+              for critic in (False, True)]  # fmt: skip
+    optimizer = torch.optim.Adam(
+        [{"params": groups[0], "lr": args.learning_rate}, {"params": groups[1], "lr": args.value_lr}], eps=1e-5
+    )
     grad_mean = None if group is None else GradientMean(group)  # DDP's mean, on the float32 master gradients
+    state = TrainingState(list(zip(names, master.parameters())), optimizer)  # what a checkpoint restores
+    reward_norm = RewardNormalizer(args.num_envs, args.gamma, device=device) if args.norm_reward else None
+    start, global_step = 1, 0
+    if resume_from is not None:  # masters, optimizer and RNG streams as saved; the rollout gets the weights
+        step = state.load(resume_from)
+        master.masters_to_model()
+        policy.begin_weight_update("all")
+        policy.update_weights(trainer.model)
+        policy.finish_weight_update(version=step["weight_version"])
+        start, global_step = step["iteration"] + 1, step["global_step"]
+        if reward_norm is not None:
+            reward_norm.load_state_dict(step["reward_norm"])
     envs = PolicyVectorEnv(raw_env, policy, action_chunk=args.action_chunk)
 
     # ---- storage: (T, N) scalars preallocated; the T calls' samples (inputs, chains, prefix K/V) ----------
     T, N = args.num_steps, args.num_envs  # noqa: N806  (the math's names)
-    log_probs = torch.zeros((T, N), device=device)
+    C, A = args.action_chunk, action_dim  # noqa: N806
+    log_probs = torch.zeros((T, N, C, A), device=device)  # element log-probs: the ratio's granularity is chosen later
     rewards = torch.zeros((T, N), device=device)
     dones = torch.zeros((T, N), device=device)
     values = torch.zeros((T, N), device=device)
 
     # ---- start the game ----------------------------------------------------------------------------
-    global_step = 0
     start_time = time.perf_counter()
-    obs, _ = envs.reset(seed=args.seed + env_offset)  # env i: seed + env_offset + i
+    obs = None
     times = {"rollout": 0.0, "train": 0.0, "sync": 0.0}
-    for iteration in range(1, args.total_iterations + 1):
+    for iteration in range(start, args.total_iterations + 1):
+        if obs is None or args.reset_every_iteration:  # env i: seed + env_offset + i, then fresh seeds per iteration
+            obs, _ = envs.reset(seed=args.seed + env_offset + (iteration - 1) * world * N)
         if args.anneal_lr:
-            optimizer.param_groups[0]["lr"] = (1.0 - (iteration - 1.0) / args.total_iterations) * args.learning_rate
+            frac = 1.0 - (iteration - 1.0) / args.total_iterations
+            optimizer.param_groups[0]["lr"] = frac * args.learning_rate
+            optimizer.param_groups[1]["lr"] = frac * args.value_lr
 
         # ---- rollout: T chunks per env with the rollout policy ---------------------------------------
         t0 = time.perf_counter()
@@ -270,14 +423,17 @@ def _train(args: Args, curves: CurveLog, group: ProcessGroup | None) -> dict:
                 obs, reward, terminated, truncated, infos = envs.step()  # the policy acts on `obs`
                 out = envs.last_output
                 global_step += world * N * args.action_chunk
-                log_probs[step] = out.log_prob
+                log_probs[step] = out.log_prob_elements
                 values[step] = out.values
                 samples.append(RolloutBatch.from_output(out))
                 # bootstrap truncations with V(final obs): r + gamma * V(s_T), then treat the step as done
                 final_value = infos["policy"]["final_value"].to(device)
                 trunc = torch.as_tensor(truncated, device=device) & ~torch.as_tensor(terminated, device=device)
-                rewards[step] = torch.as_tensor(reward, device=device).float() + args.gamma * final_value * trunc
                 dones[step] = torch.as_tensor(terminated | truncated, device=device).float()
+                reward = torch.as_tensor(reward, device=device).float()
+                if reward_norm is not None:  # scaled by the running std of the discounted return
+                    reward = reward_norm(reward, dones[step])
+                rewards[step] = reward + args.gamma * final_value * trunc
                 if "episode" in infos:
                     ended = _numpy(infos["_episode"])
                     returns_done += _numpy(infos["episode"]["r"])[ended].tolist()
@@ -298,41 +454,45 @@ def _train(args: Args, curves: CurveLog, group: ProcessGroup | None) -> dict:
         times["rollout"] += (t_rollout := time.perf_counter() - t0)
 
         # ---- flatten the batch (step-major, as the (T, N) tensors) -------------------------------------
-        b_log_probs, b_values = log_probs.reshape(-1), values.reshape(-1)
+        b_log_probs, b_values = log_probs.reshape(-1, C, A), values.reshape(-1)
         b_advantages, b_returns = advantages.reshape(-1), returns.reshape(-1)
         b_samples = RolloutBatch.cat(samples)
 
         # ---- optimise policy and value network (the trainer copy) ------------------------------------
         t0 = time.perf_counter()
-        clipfracs, kls, steps = [], [], 0  # per minibatch; optimizer steps taken
+        clipfracs, kls, chunk_kls, steps = [], [], [], 0  # per minibatch; optimizer steps taken
         pg_loss = v_loss = torch.full((), float("nan"))  # an update stopped before its first step
         for mb_idx in shuffled_minibatches(args.batch_size, args.update_epochs, args.minibatch_size):
             mb = torch.as_tensor(mb_idx, device=device)
             # differentiable log-probs and values (on a GPU: forward and backward replayed as CUDA graphs)
             new = trainer.evaluate(b_samples.select(mb), cuda_graphs=args.trainer_cuda_graphs)
-            log_ratio = new.log_prob - b_log_probs[mb]
-            ratio = log_ratio.exp()
+            # (B, G) log-ratios: G = 1 (sum, mean), C (action) or C x A (element) clipped ratios per sample
+            mb_log_ratio = log_ratio(new.log_prob_elements, b_log_probs[mb], args.logprob_reduction)
+            ratio = mb_log_ratio.exp()
             mb_adv = b_advantages[mb]
             with torch.no_grad():
+                chunk_log_ratio = (new.log_prob_elements - b_log_probs[mb]).sum(dim=(1, 2))  # the whole chunk's
                 if group is None:
-                    approx_kl = ((ratio - 1) - log_ratio).mean()  # http://joschu.net/blog/kl-approx.html
+                    approx_kl = ((ratio - 1) - mb_log_ratio).mean()  # http://joschu.net/blog/kl-approx.html
+                    chunk_kl = (chunk_log_ratio.exp() - 1 - chunk_log_ratio).mean()
                     clipfrac = ((ratio - 1.0).abs() > args.clip_coef).float().mean()  # no host sync
                     adv_mean, adv_std = mb_adv.mean(), mb_adv.std()
                 else:  # over every rank's share of the minibatch: one all-reduce of sums
                     what = f"the minibatch statistics all-reduce (iteration {iteration})"
-                    approx_kl, clipfrac, adv_mean, adv_std = global_minibatch_stats(
-                        group, log_ratio, ratio, mb_adv, args.clip_coef, what
+                    approx_kl, chunk_kl, clipfrac, adv_mean, adv_std = global_minibatch_stats(
+                        group, mb_log_ratio, chunk_log_ratio, mb_adv, args.clip_coef, what
                     )
                 clipfracs.append(clipfrac)
                 kls.append(approx_kl)
+                chunk_kls.append(chunk_kl)
             if args.target_kl is not None and approx_kl.item() > args.target_kl:
                 break
             if args.norm_adv:
                 mb_adv = (mb_adv - adv_mean) / (adv_std + 1e-8)
 
-            # clipped surrogate objective
-            pg_loss1 = -mb_adv * ratio
-            pg_loss2 = -mb_adv * torch.clamp(ratio, 1 - args.clip_coef, 1 + args.clip_coef)
+            # clipped surrogate objective, every ratio with its sample's advantage
+            pg_loss1 = -mb_adv[:, None] * ratio
+            pg_loss2 = -mb_adv[:, None] * torch.clamp(ratio, 1 - args.clip_coef, 1 + args.clip_coef)
             pg_loss = torch.max(pg_loss1, pg_loss2).mean()
 
             # value loss
@@ -379,6 +539,8 @@ def _train(args: Args, curves: CurveLog, group: ProcessGroup | None) -> dict:
             "approx_kl": float(kls[-1]),
             "approx_kl_first": float(kls[0]),
             "approx_kl_max": float(torch.stack(kls).max()),
+            "approx_kl_mean": float(torch.stack(kls).mean()),
+            "approx_kl_chunk": float(torch.stack(chunk_kls).mean()),  # of the whole chunk, whatever the granularity
             "update_steps": steps,
             "clipfrac": float(torch.stack(clipfracs).mean()),
             "explained_variance": float(explained_var),
@@ -399,6 +561,16 @@ def _train(args: Args, curves: CurveLog, group: ProcessGroup | None) -> dict:
                 f"rollout {t_rollout:.2f}s train {t_train:.2f}s sync {t_sync * 1e3:.1f}ms v{report.version}",
                 flush=True,
             )
+        if (
+            args.run_dir is not None
+            and rank == 0
+            and (iteration == args.total_iterations or (args.save_every and iteration % args.save_every == 0))
+        ):
+            counters = {"global_step": global_step, "weight_version": report.version}
+            if reward_norm is not None:
+                counters["reward_norm"] = reward_norm.state_dict()
+            state.save(args.run_dir, iteration, counters, lambda folder: save_policy(policy, folder),
+                       keep=args.keep_checkpoints)  # fmt: skip
 
     # ---- final success rates of the trained rollout policy ----------------------------------------
     final = {
@@ -416,7 +588,7 @@ def _train(args: Args, curves: CurveLog, group: ProcessGroup | None) -> dict:
             f"time split: rollout {times['rollout'] / total:.0%}, training {times['train'] / total:.0%}, "
             f"weight sync {times['sync'] / total:.1%} of {total:.1f}s"
         )
-    return {"curve": curves.rows, "final": final, "times": times, "trainer": trainer}
+    return {"curve": curves.rows, "final": final, "times": times, "trainer": trainer, "policy": policy}
 
 
 def shuffled_minibatches(batch_size: int, epochs: int, minibatch_size: int):
@@ -429,18 +601,26 @@ def shuffled_minibatches(batch_size: int, epochs: int, minibatch_size: int):
 
 
 def global_minibatch_stats(
-    group: ProcessGroup, log_ratio: torch.Tensor, ratio: torch.Tensor, adv: torch.Tensor, clip_coef: float, what: str
+    group: ProcessGroup,
+    log_ratio: torch.Tensor,
+    chunk_log_ratio: torch.Tensor,
+    adv: torch.Tensor,
+    clip_coef: float,
+    what: str,
 ) -> tuple[torch.Tensor, ...]:
-    """approx-KL, clip fraction, advantage mean and (unbiased) std over the global minibatch: one all-reduce."""
-    log_ratio, ratio, adv = log_ratio.double(), ratio.double(), adv.double()
+    """approx-KL (of the (B, G) ratios and of the whole chunks), clip fraction, advantage mean and (unbiased) std
+    over the global minibatch: one all-reduce."""
+    log_ratio, chunk_log_ratio, adv = log_ratio.double(), chunk_log_ratio.double(), adv.double()
+    ratio = log_ratio.exp()
     sums = torch.stack([
-        torch.ones_like(adv).sum(), ((ratio - 1) - log_ratio).sum(), ((ratio - 1.0).abs() > clip_coef).double().sum(),
+        torch.ones_like(adv).sum(), torch.ones_like(ratio).sum(), ((ratio - 1) - log_ratio).sum(),
+        (chunk_log_ratio.exp() - 1 - chunk_log_ratio).sum(), ((ratio - 1.0).abs() > clip_coef).double().sum(),
         adv.sum(), (adv * adv).sum(),
     ])  # fmt: skip
-    n, kl, clipped, adv_sum, adv_sumsq = group.all_reduce_sum(sums, what)
+    n, g, kl, chunk_kl, clipped, adv_sum, adv_sumsq = group.all_reduce_sum(sums, what)
     mean = adv_sum / n
     std = ((adv_sumsq - n * mean * mean).clamp(min=0.0) / (n - 1)).sqrt()
-    return (kl / n).float(), (clipped / n).float(), mean.float(), std.float()
+    return (kl / g).float(), (chunk_kl / n).float(), (clipped / g).float(), mean.float(), std.float()
 
 
 def global_metrics(

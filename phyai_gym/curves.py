@@ -9,7 +9,13 @@ split (columns named ``time_*``). matplotlib is imported only to plot, with the 
 
 A CSV that already exists (an earlier or crashed run) is never appended to or overwritten: when the first row
 comes, it and its plot are renamed to the first free ``<stem>.<k>.csv`` / ``.png`` (``kept``), and the run
-starts a fresh file, so a rerun of the same command neither loses nor duplicates an iteration.
+starts a fresh file, so a rerun of the same command neither loses nor duplicates an iteration. A resumed run
+(``resume_after=k``) instead continues the CSV: it keeps the rows of iterations 1..k, drops any later ones (written
+after the checkpoint it resumes from), and appends.
+
+With ``tensorboard=DIR`` every numeric column of a row also goes to TensorBoard as a scalar at the row's
+``global_step``, as cleanrl logs (``charts/``, ``losses/``, ``time/``). The ``tensorboard`` package is imported only
+then.
 
 Re-plot a CSV (e.g. one copied from a GPU run)::
 
@@ -53,6 +59,8 @@ class CurveLog:
         csv_path: the CSV to write (None: rows are kept in memory only, nothing is written).
         total: the planned number of iterations N (for ``progress`` and the ETA).
         title: the plot's title.
+        resume_after: continue the CSV after iteration k (its rows 1..k kept, later ones dropped); None: a new curve.
+        tensorboard: a folder for TensorBoard event files (None: no TensorBoard).
 
     Attributes:
         rows: every logged row, in order.
@@ -70,7 +78,15 @@ class CurveLog:
         True
     """
 
-    def __init__(self, csv_path: str | Path | None, total: int, *, title: str = "") -> None:
+    def __init__(
+        self,
+        csv_path: str | Path | None,
+        total: int,
+        *,
+        title: str = "",
+        resume_after: int | None = None,
+        tensorboard: str | Path | None = None,
+    ) -> None:
         if total < 1:
             raise ValueError(f"CurveLog: total must be >= 1 (the planned iterations), got {total}.")
         self.csv_path = None if csv_path is None else Path(csv_path)
@@ -84,11 +100,34 @@ class CurveLog:
         self._writer: csv.DictWriter | None = None
         self._closed = False
         self.kept: Path | None = None
+        if resume_after is not None and self.csv_path is not None and self.csv_path.exists():
+            self._continue(resume_after)
+        purge = int(float(self.rows[-1].get("global_step", 0))) + 1 if self.rows else None  # drop later events
+        self._tb = None if tensorboard is None else _summary_writer(tensorboard, purge)
+
+    def _continue(self, iterations: int) -> None:
+        """Reopen the CSV for appending, keeping only its rows of iterations 1..`iterations`."""
+        assert self.csv_path is not None
+        with open(self.csv_path, newline="") as handle:
+            reader = csv.DictReader(handle)
+            fields = list(reader.fieldnames or [])
+            kept = [row for row in reader if int(row["iteration"]) <= iterations]
+        tmp = self.csv_path.with_suffix(".csv.tmp")
+        with open(tmp, "w", newline="") as handle:
+            writer = csv.DictWriter(handle, fieldnames=fields)
+            writer.writeheader()
+            writer.writerows(kept)
+        tmp.replace(self.csv_path)
+        self.rows = kept
+        self._handle = open(self.csv_path, "a", newline="")  # noqa: SIM115  (open until close())
+        self._writer = csv.DictWriter(self._handle, fieldnames=fields)
 
     def log(self, row: Mapping[str, Any]) -> None:
         """Appends `row` (same columns as the first row) to the CSV and flushes it."""
         self.rows.append(dict(row))
         self._log_times.append(time.perf_counter())
+        if self._tb is not None:
+            _log_scalars(self._tb, row)
         if self.csv_path is None:
             return
         if self._writer is None:
@@ -124,6 +163,8 @@ class CurveLog:
             self._closed = True
             if self._handle is not None:
                 self._handle.close()
+            if self._tb is not None:
+                self._tb.close()
             if self.plot_path is not None and self.rows:
                 if plot_curves(self.rows, self.plot_path, self.title) is None:
                     self.plot_path = None
@@ -134,6 +175,35 @@ class CurveLog:
 
     def __exit__(self, *exc: object) -> None:
         self.close()
+
+
+def _summary_writer(folder: str | Path, purge_step: int | None = None) -> Any:
+    """A TensorBoard `SummaryWriter` on `folder`, or an ImportError naming the package to install."""
+    try:
+        from torch.utils.tensorboard import SummaryWriter
+    except ImportError as err:
+        raise ImportError(
+            f"--tensorboard needs the tensorboard package ({err}). Fix: pip install tensorboard, or drop --tensorboard "
+            "(the CSV and its plot are written without it)."
+        ) from err
+    return SummaryWriter(str(folder), purge_step=purge_step)
+
+
+TB_GROUPS = {"pg_loss": "losses", "v_loss": "losses", "approx_kl": "losses", "clipfrac": "losses",
+             "explained_variance": "losses", "sps": "charts", "weight_version": "charts"}  # fmt: skip
+"""TensorBoard tag group of a column (cleanrl's names); ``approx_kl*`` are losses, ``time_*`` time, the rest charts."""
+
+
+def _log_scalars(writer: Any, row: Mapping[str, Any]) -> None:
+    """Every numeric column of `row` as a scalar at its ``global_step`` (else its ``iteration``)."""
+    step = int(row.get("global_step", row.get("iteration", 0)))
+    for key, value in row.items():
+        if key in ("iteration", "global_step") or isinstance(value, bool) or not isinstance(value, int | float):
+            continue
+        group = "time" if key.startswith("time_") else "losses" if key.startswith("approx_kl") else TB_GROUPS.get(
+            key, "charts")  # fmt: skip
+        writer.add_scalar(f"{group}/{key}", value, step)
+    writer.flush()
 
 
 def _keep_aside(path: Path) -> Path:
@@ -170,7 +240,11 @@ def plot_curves(rows: Sequence[Mapping[str, Any]], path: str | Path, title: str 
     x_key = "global_step" if rows and "global_step" in rows[0] else "iteration"
     x = _column(rows, x_key) if rows and x_key in rows[0] else list(range(1, len(rows) + 1))
     fig, axes = plt.subplots(2, 3, figsize=(13, 6.5))
-    for ax, (key, label) in zip(axes.flat, PANELS):
+    panels = PANELS
+    if rows and not any(key in rows[0] for key, _ in PANELS):  # not a PPO curve (e.g. SFT): its own columns
+        skip = {"iteration", x_key}
+        panels = tuple((k, k.replace("_", " ")) for k in rows[0] if k not in skip and not k.startswith("time_"))[:5]
+    for ax, (key, label) in zip(axes.flat, panels):
         ax.set_title(label, fontsize=10)
         values = _column(rows, key) if rows and key in rows[0] else []
         if any(math.isfinite(v) for v in values):

@@ -1,7 +1,21 @@
-"""PPO's two formulas as functions: GAE over a (T, N) rollout and the clipped loss of one minibatch (cleanrl's).
+"""PPO's formulas as functions: GAE over a (T, N) rollout, the log-ratio at a chosen granularity, the clipped loss.
 
 `examples/ppo_disaggregated.py` computes GAE on its rollout ranks and the loss on its trainer ranks, so the math
 lives here rather than inline in one loop.
+
+Log-prob granularity (RLinf's ``logprob_type``; docs/rl.md works through the numbers). A PI0.5 sample's log-prob
+is a sum over C x A Gaussian elements (C executed actions of A dims; each element itself the mean over the K+1
+denoise rows of the joint chain). PPO's ratio can be taken over the whole sum, or per part, each part clipped on
+its own and the surrogate averaged over the parts (the sample's advantage shared by all of them):
+
+  ``sum``     one ratio per sample, exp(sum of the C x A element log-ratios): the chunk's likelihood ratio
+              (RLinf ``chunk_level``, every PI0.5 config there). Its approx-KL is the KL of the whole chunk, about
+              C x A times the per-element one, and the +-clip trust region is shared by all C x A elements.
+  ``action``  one ratio per executed action c (sum over A): C ratios per sample (RLinf ``action_level``).
+  ``element`` one ratio per element: C x A ratios per sample (RLinf ``token_level``, its PI0 ManiSkill config; what
+              LLM PPO does per token).
+  ``mean``    one ratio per sample from the MEAN element log-ratio (a geometric-mean ratio, GSPO's sequence
+              ratio): element changes of opposite sign cancel, so it is the loosest constraint of the four.
 """
 
 from __future__ import annotations
@@ -45,6 +59,42 @@ def gae(
     return advantages, advantages + values
 
 
+LOGPROB_REDUCTIONS: tuple[str, ...] = ("sum", "action", "element", "mean")
+"""The log-ratio granularities `log_ratio` knows (module docstring)."""
+
+
+def log_ratio(new_elements: torch.Tensor, old_elements: torch.Tensor, reduction: str) -> torch.Tensor:
+    """(B, G) log-ratios of B samples at the granularity `reduction`, from (B, C, A) element log-probs.
+
+    G is 1 (``sum``, ``mean``), C (``action``) or C x A (``element``).
+
+    Example:
+        >>> new, old = torch.tensor([[[0.1, 0.3], [0.2, -0.2]]]), torch.zeros(1, 2, 2)
+        >>> [log_ratio(new, old, r).shape[1] for r in LOGPROB_REDUCTIONS]
+        [1, 2, 4, 1]
+        >>> round(log_ratio(new, old, "sum").item(), 4), round(log_ratio(new, old, "mean").item(), 4)
+        (0.4, 0.1)
+    """
+    if new_elements.dim() != 3 or new_elements.shape != old_elements.shape:
+        raise ValueError(
+            f"log_ratio: expected new and old element log-probs of one (B, C, A) shape, got "
+            f"{tuple(new_elements.shape)} and {tuple(old_elements.shape)}. Fix: pass EvalOutput.log_prob_elements "
+            "and the rollout's PolicyOutput.log_prob_elements."
+        )
+    d = new_elements - old_elements  # (B, C, A)
+    if reduction == "sum":
+        return d.sum(dim=(1, 2))[:, None]
+    if reduction == "mean":
+        return d.mean(dim=(1, 2))[:, None]
+    if reduction == "action":
+        return d.sum(dim=2)
+    if reduction == "element":
+        return d.flatten(1)
+    raise ValueError(
+        f"log_ratio: reduction must be one of {LOGPROB_REDUCTIONS}, got {reduction!r}. Fix: pass e.g. 'element'."
+    )
+
+
 def ppo_loss(
     new_log_prob: torch.Tensor,
     new_values: torch.Tensor,
@@ -62,6 +112,9 @@ def ppo_loss(
 ) -> dict[str, torch.Tensor]:
     """Clipped surrogate + (clipped) value loss - entropy bonus of one minibatch; all inputs (B,).
 
+    The log-probs may also be (B, G), G ratios per sample (`log_ratio`'s granularities): each is clipped on its
+    own with the sample's advantage, and the surrogate, approx-KL and clip fraction are means over all B x G.
+
     Returns:
         "loss" (differentiable), and detached "pg_loss", "v_loss", "approx_kl" (joschu's k3), "clipfrac".
 
@@ -72,10 +125,12 @@ def ppo_loss(
         >>> out["approx_kl"].item(), out["clipfrac"].item(), out["v_loss"].item()
         (0.0, 0.0, 0.5)
     """
-    log_ratio = new_log_prob - old_log_prob
-    ratio = log_ratio.exp()
+    log_r = new_log_prob - old_log_prob
+    ratio = log_r.exp()
     if norm_adv:
         advantages = (advantages - advantages.mean()) / (advantages.std() + 1e-8)
+    if ratio.dim() == 2:  # G ratios per sample share its advantage
+        advantages = advantages[:, None]
     pg_loss = torch.max(-advantages * ratio, -advantages * torch.clamp(ratio, 1 - clip_coef, 1 + clip_coef)).mean()
     if clip_vloss:
         v_clipped = old_values + torch.clamp(new_values - old_values, -clip_coef, clip_coef)
@@ -84,7 +139,52 @@ def ppo_loss(
         v_loss = 0.5 * ((new_values - returns) ** 2).mean()
     loss = pg_loss - ent_coef * entropy.mean() + vf_coef * v_loss
     with torch.no_grad():
-        approx_kl = ((ratio - 1) - log_ratio).mean()  # http://joschu.net/blog/kl-approx.html
+        approx_kl = ((ratio - 1) - log_r).mean()  # http://joschu.net/blog/kl-approx.html
         clipfrac = ((ratio - 1.0).abs() > clip_coef).float().mean()
     return {"loss": loss, "pg_loss": pg_loss.detach(), "v_loss": v_loss.detach(), "approx_kl": approx_kl,
             "clipfrac": clipfrac}  # fmt: skip
+
+
+class RewardNormalizer:
+    """Rewards divided by the running std of the discounted return: Gymnasium's `NormalizeReward` on (N,) tensors.
+
+    PPO's value clipping moves a value at most ``clip_coef`` from the rollout's per iteration, so returns of tens
+    (a dense MuJoCo reward summed over a chunk) take hundreds of iterations to fit and the explained variance stays
+    near 0; cleanrl's continuous PPO normalises rewards for this reason. The state (the per-env discounted returns
+    and the running moments) is plain floats, `state_dict()`, for a checkpoint.
+
+    Example:
+        >>> norm = RewardNormalizer(2, gamma=0.99)
+        >>> r = norm(torch.tensor([10.0, -10.0]), torch.zeros(2))
+        >>> bool(r.abs().max() < 10.0), norm.count > 1
+        (True, True)
+    """
+
+    def __init__(self, num_envs: int, gamma: float, epsilon: float = 1e-8, device: str | torch.device = "cpu") -> None:
+        self.gamma, self.epsilon = gamma, epsilon
+        self.returns = torch.zeros(num_envs, dtype=torch.float64, device=device)
+        # running moments of the discounted returns, on the device (no host sync per step)
+        self.mean, self.var = torch.zeros((), dtype=torch.float64, device=device), torch.ones_like(self.returns[0])
+        self.count = 1e-4
+
+    def __call__(self, reward: torch.Tensor, done: torch.Tensor) -> torch.Tensor:
+        """The scaled (N,) rewards of one step; `done` (N,) 1.0 where the episode ended in it (its return restarts)."""
+        self.returns = self.returns * self.gamma + reward.double()
+        n = self.returns.numel()
+        batch_mean, batch_var = self.returns.mean(), self.returns.var(unbiased=False)
+        delta, total = batch_mean - self.mean, self.count + n  # Chan's parallel update (Gymnasium's RunningMeanStd)
+        m2 = self.var * self.count + batch_var * n + delta * delta * self.count * n / total
+        self.mean, self.var, self.count = self.mean + delta * n / total, m2 / total, total
+        self.returns = self.returns * (1.0 - done.double())  # the next step starts a new episode's return
+        return (reward.double() / (self.var + self.epsilon).sqrt()).to(reward.dtype)
+
+    def state_dict(self) -> dict:
+        """Plain-float state (JSON-able)."""
+        return {"returns": self.returns.tolist(), "mean": float(self.mean), "var": float(self.var), "count": self.count}
+
+    def load_state_dict(self, state: dict) -> None:
+        """Restore what `state_dict` returned."""
+        like = dict(dtype=torch.float64, device=self.returns.device)
+        self.returns = torch.tensor(state["returns"], **like)
+        self.mean, self.var = torch.tensor(state["mean"], **like), torch.tensor(state["var"], **like)
+        self.count = state["count"]

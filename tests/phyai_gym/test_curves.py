@@ -43,3 +43,36 @@ def test_an_existing_csv_is_kept_aside_not_appended_to_or_overwritten(tmp_path):
     assert log.kept.read_text() == "iteration,success_rate\n1,0.1\n2,0.2\n"
     assert (tmp_path / "curve.1.csv").read_text() == "iteration\n1\n"
     assert (tmp_path / "curve.csv").read_text().splitlines() == ["iteration,success_rate", "1,0.5"]
+
+
+def test_resume_continues_the_csv_and_drops_rows_after_the_checkpoint(tmp_path):
+    log = CurveLog(tmp_path / "curve.csv", total=4)
+    for k in (1, 2, 3):  # iteration 3 logged, but the run died before its checkpoint
+        log.log({"iteration": k, "approx_kl": 0.1 * k})
+    log.close()
+    log = CurveLog(tmp_path / "curve.csv", total=4, resume_after=2)
+    log.log({"iteration": 3, "approx_kl": 0.5})
+    log.close()
+    assert (tmp_path / "curve.csv").read_text().splitlines() == ["iteration,approx_kl", "1,0.1", "2,0.2", "3,0.5"]
+    assert [int(r["iteration"]) for r in log.rows] == [1, 2, 3] and log.kept is None
+
+
+def test_tensorboard_missing_names_the_package(tmp_path, monkeypatch):
+    import sys
+
+    monkeypatch.setitem(sys.modules, "torch.utils.tensorboard", None)  # as if tensorboard were not installed
+    with pytest.raises(ImportError, match="pip install tensorboard"):
+        CurveLog(tmp_path / "curve.csv", total=1, tensorboard=tmp_path / "tb")
+
+
+def test_tensorboard_gets_every_numeric_column_at_its_global_step(tmp_path):
+    pytest.importorskip("tensorboard")
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    log = CurveLog(None, total=2, tensorboard=tmp_path / "tb")
+    log.log({"iteration": 1, "global_step": 64, "approx_kl": 0.02, "sps": 30.0, "time_rollout": 1.5, "note": "x"})
+    log.close()
+    events = EventAccumulator(str(tmp_path / "tb"))
+    events.Reload()
+    assert sorted(events.Tags()["scalars"]) == ["charts/sps", "losses/approx_kl", "time/time_rollout"]
+    assert [(e.step, round(e.value, 4)) for e in events.Scalars("losses/approx_kl")] == [(64, 0.02)]

@@ -1,0 +1,238 @@
+"""Demonstrations for behaviour cloning, in ManiSkill's trajectory format (``trajectory.h5`` + ``trajectory.json``).
+
+Why that format: ManiSkill ships its demonstrations this way, recorded by motion-planning experts that read the
+simulator's privileged state, which is how demos are made here too; it keeps raw uint8 frames per episode (no video
+codec to install), needs only h5py, and its readers (``mani_skill.trajectory``) and converters already exist.
+LeRobotDataset v3 would need parquet and mp4 tooling (pyarrow, a video decoder) for the same content.
+
+Layout (one group per episode; T actions, T+1 observations, the last one the episode's final observation)::
+
+    trajectory.h5   traj_<i>/actions                      (T, A) float32
+                    traj_<i>/rewards, terminated, truncated, success   (T,)
+                    traj_<i>/obs/sensor_data/<camera>/rgb (T+1, H, W, 3) uint8
+                    traj_<i>/obs/state                     (T+1, S) float32
+    trajectory.json {"env_info": {"env_id": ..., "env_kwargs": {...}},
+                     "episodes": [{"episode_id": i, "episode_seed": s, "elapsed_steps": T, "success": bool,
+                                   "task": "the instruction"}]}
+
+The observation keys are the canonical ones (DESIGN C1: cameras, state, task); ``task`` is this project's addition
+to ManiSkill's episode record. Any env with a scripted expert (e.g. a GPU simulator's pick-and-place planner) plugs
+into ``examples/sft_pi05.py`` by writing this layout, with `write_demos` or by hand.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+
+def _h5py():
+    try:
+        import h5py
+    except ImportError as err:
+        raise ImportError(
+            f"demonstrations are ManiSkill .h5 files, which need h5py ({err}). Fix: pip install h5py."
+        ) from err
+    return h5py
+
+
+@dataclass
+class Episode:
+    """One demonstrated episode.
+
+    Attributes:
+        images: camera -> (T+1, H, W, 3) uint8 frames (the last one: the final observation).
+        state: (T+1, S) float32 states.
+        actions: (T, A) float32 actions.
+        task: the instruction.
+        rewards: (T,) float32.
+        success: whether the episode succeeded.
+        seed: the reset seed (None: unknown).
+    """
+
+    images: dict[str, np.ndarray]
+    state: np.ndarray
+    actions: np.ndarray
+    task: str
+    rewards: np.ndarray
+    success: bool
+    seed: int | None = None
+
+    @property
+    def length(self) -> int:
+        """T, the number of actions."""
+        return int(self.actions.shape[0])
+
+
+def write_demos(path: str | Path, episodes: Sequence[Episode], env_info: dict[str, Any] | None = None) -> Path:
+    """Write `episodes` as ``path`` (.h5) and its ``.json`` sidecar; returns the .h5 path."""
+    h5py = _h5py()
+    path = Path(path).with_suffix(".h5")
+    path.parent.mkdir(parents=True, exist_ok=True)
+    records = []
+    with h5py.File(path, "w") as f:
+        for i, ep in enumerate(episodes):
+            g = f.create_group(f"traj_{i}")
+            g["actions"] = ep.actions.astype(np.float32)
+            g["rewards"] = ep.rewards.astype(np.float32)
+            g["success"] = np.zeros(ep.length, bool)
+            g["success"][-1:] = ep.success
+            g["terminated"], g["truncated"] = np.zeros(ep.length, bool), np.zeros(ep.length, bool)
+            for cam, frames in ep.images.items():
+                g[f"obs/sensor_data/{cam}/rgb"] = frames.astype(np.uint8)
+            g["obs/state"] = ep.state.astype(np.float32)
+            records.append({"episode_id": i, "episode_seed": ep.seed, "elapsed_steps": ep.length,
+                            "success": bool(ep.success), "task": ep.task})  # fmt: skip
+    meta = {"env_info": env_info or {}, "episodes": records}
+    path.with_suffix(".json").write_text(json.dumps(meta, indent=1) + "\n")
+    return path
+
+
+def read_demos(path: str | Path) -> list[Episode]:
+    """The episodes of a ManiSkill-layout ``trajectory.h5`` (with its ``.json`` sidecar for the tasks)."""
+    h5py = _h5py()
+    path = Path(path)
+    if not path.is_file():
+        raise FileNotFoundError(f"demos: {str(path)!r} does not exist. Fix: record them first "
+                                "(python examples/sft_pi05.py --record-episodes 64 --demos FILE).")  # fmt: skip
+    meta_file = path.with_suffix(".json")
+    meta = json.loads(meta_file.read_text()) if meta_file.is_file() else {"episodes": []}
+    by_id = {int(e["episode_id"]): e for e in meta.get("episodes", [])}
+    episodes = []
+    with h5py.File(path, "r") as f:
+        for name in sorted(f, key=lambda n: int(n.split("_")[1])):
+            g, i = f[name], int(name.split("_")[1])
+            record = by_id.get(i, {})
+            cams = g["obs/sensor_data"]
+            episodes.append(Episode(
+                images={cam: cams[cam]["rgb"][()] for cam in cams},
+                state=g["obs/state"][()] if "state" in g["obs"] else np.zeros((len(g["actions"]) + 1, 0), np.float32),
+                actions=g["actions"][()].astype(np.float32),
+                task=str(record.get("task", "")),
+                rewards=g["rewards"][()] if "rewards" in g else np.zeros(len(g["actions"]), np.float32),
+                success=bool(record.get("success", bool(g["success"][-1]) if "success" in g else False)),
+                seed=record.get("episode_seed"),
+            ))  # fmt: skip
+    return episodes
+
+
+def _row(obs: dict[str, Any], i: int) -> tuple[dict[str, np.ndarray], np.ndarray, str]:
+    """(images, state, task) of env i in a batched canonical observation (or one env's own, unbatched)."""
+    images = {cam: np.asarray(frames[i]) for cam, frames in obs["images"].items()}
+    return images, np.asarray(obs["state"][i], np.float32), str(obs["task"][i])
+
+
+def record_demos(
+    envs: Any, expert: Callable[[dict[str, Any]], np.ndarray], episodes: int, *, seed: int = 0
+) -> list[Episode]:
+    """The first `episodes` episodes that `expert` (batched canonical obs -> (N, A) actions) finishes in `envs`.
+
+    `envs` must autoreset in the same step (SAME_STEP), which keeps every final observation; success is the final
+    info's ``is_success`` (or ``success``).
+    """
+    mode = envs.metadata.get("autoreset_mode")
+    if getattr(mode, "value", mode) != "SameStep":
+        raise ValueError(
+            f"record_demos: expected a vector env with autoreset_mode SAME_STEP, got {mode!r}. Fix: build it with "
+            "autoreset_mode=AutoresetMode.SAME_STEP (the final observation is kept)."
+        )
+    n = envs.num_envs
+    obs, _ = envs.reset(seed=seed)
+    open_eps = [{"obs": [_row(obs, i)], "actions": [], "rewards": []} for i in range(n)]
+    seeds = [seed + i for i in range(n)]
+    done_eps: list[Episode] = []
+    while len(done_eps) < episodes:
+        actions = np.asarray(expert(obs), np.float32)
+        obs, reward, terminated, truncated, infos = envs.step(actions)
+        for i in range(n):
+            ep = open_eps[i]
+            ep["actions"].append(actions[i])
+            ep["rewards"].append(float(reward[i]))
+            if not (terminated[i] or truncated[i]):
+                ep["obs"].append(_row(obs, i))
+                continue
+            final = infos["final_obs"][i]
+            ep["obs"].append(({c: np.asarray(v) for c, v in final["images"].items()},
+                              np.asarray(final["state"], np.float32), str(final["task"])))  # fmt: skip
+            final_info = infos.get("final_info", {})
+            flags = final_info.get("is_success", final_info.get("success"))
+            success = bool(flags[i]) if flags is not None else False
+            done_eps.append(Episode(
+                images={cam: np.stack([o[0][cam] for o in ep["obs"]]) for cam in ep["obs"][0][0]},
+                state=np.stack([o[1] for o in ep["obs"]]), actions=np.stack(ep["actions"]), task=ep["obs"][0][2],
+                rewards=np.asarray(ep["rewards"], np.float32), success=success, seed=seeds[i],
+            ))  # fmt: skip
+            seeds[i] = None  # later episodes of env i continue its RNG: no seed of their own
+            open_eps[i] = {"obs": [_row(obs, i)], "actions": [], "rewards": []}
+    return done_eps[:episodes]
+
+
+def target_expert(obs: dict[str, Any]) -> np.ndarray:
+    """The target task's scripted expert: move to the target.
+
+    It reads the exact target position from the state; the policy sees it only as prompt bins and the image colour.
+    """
+    return np.asarray(obs["state"], np.float32)[:, :1].copy()
+
+
+EXPERTS: dict[str, Callable[[dict[str, Any]], np.ndarray]] = {"target": target_expert}
+"""Scripted experts by env name (`phyai_gym.make_env` names)."""
+
+
+@dataclass
+class ChunkBatch:
+    """Behaviour-cloning samples: observations at frame t and the demonstrated chunk a[t : t+H].
+
+    Attributes:
+        obs: batched canonical observation (images, state, task).
+        actions: (B, H, A) float32 env actions, padded past the episode's end with its last action.
+        mask: (B, H) bool, False on that padding.
+    """
+
+    obs: dict[str, Any]
+    actions: np.ndarray
+    mask: np.ndarray
+
+
+class ChunkSampler:
+    """(episode, frame) samples of a demo set, each with its action chunk of H steps.
+
+    As LeRobot's ``delta_timestamps`` action chunks, with ``action_is_pad`` as `mask`.
+
+    Example:
+        >>> ep = Episode({"image": np.zeros((3, 4, 4, 3), np.uint8)}, np.zeros((3, 2), np.float32),
+        ...              np.array([[1.0], [2.0]], np.float32), "task", np.zeros(2, np.float32), True)
+        >>> batch = ChunkSampler([ep], horizon=3).batch(np.array([1]))
+        >>> batch.actions[0, :, 0].tolist(), batch.mask[0].tolist()
+        ([2.0, 2.0, 2.0], [True, False, False])
+    """
+
+    def __init__(self, episodes: Sequence[Episode], horizon: int) -> None:
+        if not episodes:
+            raise ValueError("ChunkSampler: expected at least one episode, got none. Fix: record demos first.")
+        self.episodes, self.horizon = list(episodes), horizon
+        self.index = np.array([(e, t) for e, ep in enumerate(self.episodes) for t in range(ep.length)], np.int64)
+
+    def __len__(self) -> int:
+        return len(self.index)
+
+    def batch(self, rows: np.ndarray) -> ChunkBatch:
+        """The samples `rows` (indices into the flat frame list)."""
+        images: dict[str, list[np.ndarray]] = {}
+        states, tasks, chunks, masks = [], [], [], []
+        for e, t in self.index[rows]:
+            ep = self.episodes[e]
+            for cam, frames in ep.images.items():
+                images.setdefault(cam, []).append(frames[t])
+            states.append(ep.state[t])
+            tasks.append(ep.task)
+            steps = np.minimum(np.arange(t, t + self.horizon), ep.length - 1)
+            chunks.append(ep.actions[steps])
+            masks.append(np.arange(t, t + self.horizon) < ep.length)
+        obs = {"images": {c: np.stack(v) for c, v in images.items()}, "state": np.stack(states), "task": tasks}
+        return ChunkBatch(obs, np.stack(chunks).astype(np.float32), np.stack(masks))

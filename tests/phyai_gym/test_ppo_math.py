@@ -1,0 +1,52 @@
+"""PPO math: the log-ratio granularities, the loss over (B, G) ratios, and the reward normaliser against Gymnasium."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+from gymnasium.wrappers.utils import RunningMeanStd
+
+from phyai_gym.ppo_math import LOGPROB_REDUCTIONS, RewardNormalizer, log_ratio, ppo_loss
+
+
+def test_granularities_group_the_element_log_ratios():
+    gen = torch.Generator().manual_seed(0)
+    new, old = torch.randn(4, 3, 2, generator=gen), torch.randn(4, 3, 2, generator=gen)
+    d = new - old
+    torch.testing.assert_close(log_ratio(new, old, "sum")[:, 0], d.sum(dim=(1, 2)))
+    torch.testing.assert_close(log_ratio(new, old, "mean")[:, 0], d.mean(dim=(1, 2)))
+    torch.testing.assert_close(log_ratio(new, old, "action"), d.sum(dim=2))
+    torch.testing.assert_close(log_ratio(new, old, "element"), d.reshape(4, 6))
+    with pytest.raises(ValueError, match="reduction must be one of"):
+        log_ratio(new, old, "token")
+    with pytest.raises(ValueError, match=r"\(B, C, A\)"):
+        log_ratio(new.sum(dim=2), old.sum(dim=2), "sum")
+
+
+def test_one_ratio_per_sample_is_the_loss_of_b_ratios():
+    gen = torch.Generator().manual_seed(1)
+    new, old, adv = torch.randn(8, generator=gen) * 0.3, torch.zeros(8), torch.randn(8, generator=gen)
+    zeros, ones = torch.zeros(8), torch.ones(8)
+    flat = ppo_loss(new, zeros, zeros, old, zeros, adv, ones, clip_coef=0.2)
+    grouped = ppo_loss(new[:, None], zeros, zeros, old[:, None], zeros, adv, ones, clip_coef=0.2)
+    for key in flat:
+        torch.testing.assert_close(flat[key], grouped[key])
+    assert set(LOGPROB_REDUCTIONS) == {"sum", "action", "element", "mean"}
+
+
+def test_reward_normalizer_matches_gymnasium_running_moments():
+    rng = np.random.default_rng(0)
+    norm, rms, gamma = RewardNormalizer(3, gamma=0.9), RunningMeanStd(shape=()), 0.9
+    returns = np.zeros(3)
+    for _ in range(20):
+        reward, done = rng.normal(-3.0, 2.0, size=3), (rng.random(3) < 0.2).astype(np.float64)
+        scaled = norm(torch.tensor(reward, dtype=torch.float32), torch.tensor(done, dtype=torch.float32))
+        returns = returns * gamma + reward
+        rms.update(returns)
+        returns *= 1.0 - done
+        np.testing.assert_allclose(scaled.numpy(), reward / np.sqrt(rms.var + 1e-8), rtol=1e-5)
+    restored = RewardNormalizer(3, gamma=0.9)
+    restored.load_state_dict(norm.state_dict())
+    step = (torch.ones(3), torch.zeros(3))
+    assert torch.equal(restored(*step), norm(*step))

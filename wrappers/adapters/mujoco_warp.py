@@ -53,13 +53,15 @@ CONTROL_DT = 0.05
 
 def _import_warp() -> tuple[Any, Any]:
     try:
-        import mujoco_warp
         import warp
+
+        warp.config.quiet = True  # before Warp initialises: no banner, no line per kernel module loaded
+        warp.config.log_level = max(warp.config.log_level, warp.LOG_WARNING)
+        import mujoco_warp
     except ImportError as error:
         raise ImportError(
             f"the MuJoCo Warp envs need mujoco-warp and warp-lang ({error}). Fix: {pt.INSTALL_HINT}."
         ) from error
-    warp.config.quiet = True
     return warp, mujoco_warp
 
 

@@ -596,7 +596,7 @@ class LiberoEnv(gym.Env):
         return self._last_obs, float(success), success, truncated, self._info(success)
 
     def render(self) -> np.ndarray | None:
-        """The last upright agent-view image (``render_mode="rgb_array"``)."""
+        """The last upright agent-view image (``render_mode="rgb_array"``), the observation's: may be stale."""
         if self._last_obs is None:
             return None
         return self._last_obs["images"]["image"]

@@ -295,7 +295,8 @@ def test_truncates_at_the_episode_limit(venv, first):
 def test_async_subprocess_env_matches_sync(first):
     env = make_libero_env(SUITE, task_ids=[0], init_state_ids=3, num_envs=1, vectorization="async")
     try:
-        assert env.metadata[FREEZABLE_KEY]
+        assert env.metadata[FREEZABLE_KEY] and env.metadata[READ_EVERY_KEY]  # renders on demand in the worker too
+        assert set_read_every(env, 1)
         obs, info = env.reset(seed=0)
         assert np.allclose(obs["state"][0], first[0]["state"][0], atol=1e-6)
         assert obs["task"][0] == TASK0 and obs["images"]["image"].shape == (1, 224, 224, 3)

@@ -327,13 +327,15 @@ def test_on_demand_leaves_unread_images_stale_and_renders_read_ones(venv, first)
         venv.reset(seed=0, options={THAW_OPTION: True})
 
 
-def _libero_reads(every_step: bool, chunk: int = 3, steps: int = 3) -> list:
+def _libero_reads(every_step: bool, hard_reset: bool, chunk: int = 3, steps: int = 3) -> list:
     """What the policy reads through PolicyVectorEnv: reset obs, then per step obs, final_obs and the done mask.
 
     Sub-env 0 succeeds at its 2nd step of every episode (an end nobody can foresee, mid-chunk); sub-env 1 is
     truncated at step 5 (mid-chunk too).
     """
-    env = make_libero_env(SUITE, task_ids=[0], group_size=2, max_episode_steps=5, settle_steps=2, image_size=64)
+    env = make_libero_env(
+        SUITE, task_ids=[0], group_size=2, max_episode_steps=5, settle_steps=2, image_size=64, hard_reset=hard_reset
+    )
     wrapper = PolicyVectorEnv(env, GaussianPolicy(7, action_horizon=chunk, std=0.5), action_chunk=chunk)
     if every_step:
         assert set_read_every(env, 1)
@@ -352,8 +354,10 @@ def _libero_reads(every_step: bool, chunk: int = 3, steps: int = 3) -> list:
 
 @needs_libero
 @pytest.mark.slow
-def test_on_demand_rendering_reads_what_rendering_every_step_reads():
-    reference, on_demand = _libero_reads(every_step=True), _libero_reads(every_step=False)
+@pytest.mark.parametrize("hard_reset", [True, False])  # a hard reset rebuilds robosuite's sensors, a soft one not
+def test_on_demand_rendering_reads_what_rendering_every_step_reads(hard_reset):
+    reference = _libero_reads(every_step=True, hard_reset=hard_reset)
+    on_demand = _libero_reads(every_step=False, hard_reset=hard_reset)
     terms, truncs = np.stack(reference[3::4]), np.stack(reference[4::4])
     assert terms[:, 0].all() and not terms[:, 1].any() and truncs[:, 1].any()
     for expected, got in zip(reference, on_demand):

@@ -1,23 +1,26 @@
-"""CPU-simulator throughput of Pusher-v5 under `PolicyVectorEnv`: rendering every step vs on demand (issue 39).
+"""CPU-simulator throughput under `PolicyVectorEnv`: rendering every step vs on demand (issue 39).
 
 `PolicyVectorEnv` reads only the observation that ends each C-step chunk (and resets and episode ends), so the
-MuJoCo adapter renders only those frames once told ``set_read_every(C)``. Every measurement here runs one
-`PolicyVectorEnv` and switches the reading schedule between rounds, so both variants see the same load:
-``render="every_step"`` calls ``wrappers.freeze.set_read_every(env, 1)`` (what an env that cannot skip renders
-does), ``render="on_demand"`` gives back C. Episodes end every 100 env steps (Pusher's limit) inside the timed
-window, as in a real rollout.
+CPU adapters render only those frames once told ``set_read_every(C)``. The env is Pusher-v5 unless ``--env``
+names another `phyai_gym.make_env` env (a LIBERO suite, a ManiSkill task on its CPU simulator).
+
+Every measurement runs one `PolicyVectorEnv` and switches the reading schedule between rounds, so both variants
+see the same load: ``render="every_step"`` calls ``wrappers.freeze.set_read_every(env, 1)`` (what an env that
+cannot skip renders does), ``render="on_demand"`` gives back C. Pusher's episodes end every 100 env steps inside
+the timed window, as in a real rollout.
 
 Two modes, one row per (W, render):
 
-* ``env_only`` (-> ``cpu_sim_env_only.jsonl``): a `ConstantPolicy` (no compute) drives W Pusher-v5 envs, one
+* ``env_only`` (-> ``cpu_sim_env_only.jsonl``): a `ConstantPolicy` (no compute) drives W envs, one
   async worker each (``--vectorization sync`` steps them in-process); env-steps/s = N * C * chunks / wall.
 * ``cpu_sim_loop`` (-> ``cpu_sim_loop.jsonl``): the full loop with PI0.5 (`phyai_gym.make_policy`; tiny on
   CPU, ``--config base --device cuda`` on the GPU machine), env-steps/s of ``step()``, and the policy/env split
   from rounds that time ``policy.act(obs)`` and ``step(actions)`` apart.
 
-The renderer is MuJoCo's, chosen by ``MUJOCO_GL`` (egl by default; osmesa for software rendering)::
+MuJoCo and LIBERO render through ``MUJOCO_GL`` (egl by default; osmesa for software rendering)::
 
     MUJOCO_GL=egl python -m benchmarks.bench_cpu_sim --workers 1 4 16
+    MUJOCO_GL=egl python -m benchmarks.bench_cpu_sim --env libero_spatial --workers 1 4 16
     MUJOCO_GL=osmesa python -m benchmarks.bench_cpu_sim --workers 1 4 16 --out DIR
     MUJOCO_GL=egl python -m benchmarks.bench_cpu_sim --mode cpu_sim_loop --config base --device cuda --workers 16 64
 """
@@ -38,13 +41,11 @@ import torch
 from benchmarks.common import synchronize, write_rows
 from policies.base import RolloutConfig
 from policies.baseline import ConstantPolicy
-from wrappers.adapters.mujoco import make_mujoco_env
 from wrappers.freeze import set_read_every
 from wrappers.policy_vector_env import PolicyVectorEnv
 
-ENV = "Pusher-v5"
-ACTION_DIM = 7
 RENDERS = ("every_step", "on_demand")
+SLOTS = ("base_0_rgb", "left_wrist_0_rgb", "right_wrist_0_rgb")
 
 
 def cpu_name() -> str:
@@ -116,25 +117,33 @@ def measure(envs: PolicyVectorEnv, chunks: int, rounds: int, split: bool) -> dic
     return results
 
 
-def make_policy_for(mode: str, workers: int, chunk: int, config: str, device: str) -> Any:
+def make_policy_for(args: argparse.Namespace, env: Any, workers: int) -> Any:
     """`ConstantPolicy` for env_only; PI0.5 with random weights (`phyai_gym.make_policy`) for the loop."""
-    if mode == "env_only":
-        return ConstantPolicy([0.1] * ACTION_DIM, action_horizon=chunk)
+    action_dim = int(env.single_action_space.shape[0])
+    if args.mode == "env_only":
+        return ConstantPolicy([0.1] * action_dim, action_horizon=args.chunk)
     from phyai_gym import make_policy
 
-    rollout = RolloutConfig(num_steps=5, action_chunk=chunk)
-    return make_policy(config=config, action_dim=ACTION_DIM, device=device, rollout=rollout, max_batch_size=workers)
+    cameras = dict(zip(env.single_observation_space["images"].spaces, SLOTS))
+    rollout = RolloutConfig(num_steps=5, action_chunk=args.chunk)
+    return make_policy(config=args.config, action_dim=action_dim, camera_map=cameras, device=args.device,
+                       rollout=rollout, max_batch_size=workers)  # fmt: skip
 
 
 def run(args: argparse.Namespace) -> list[dict[str, Any]]:
     """One `PolicyVectorEnv` per W; rows for both render modes."""
     os.environ.setdefault("MUJOCO_GL", "egl")
+    from phyai_gym import make_env
+
     bench = "cpu_sim_env_only" if args.mode == "env_only" else "cpu_sim_loop"
     rows = []
     for workers in args.workers:
-        policy = make_policy_for(args.mode, workers, args.chunk, args.config, args.device)
-        env = make_mujoco_env(ENV, num_envs=workers, vectorization=args.vectorization, image_size=args.image_size)
-        envs = PolicyVectorEnv(env, policy, action_chunk=args.chunk)
+        env = make_env(args.env, workers, vectorization=args.vectorization, image_size=args.image_size)
+        try:
+            envs = PolicyVectorEnv(env, make_policy_for(args, env, workers), action_chunk=args.chunk)
+        except BaseException:
+            env.close()
+            raise
         try:
             results = measure(envs, args.chunks, args.rounds, split=args.mode == "cpu_sim_loop")
         finally:
@@ -142,7 +151,7 @@ def run(args: argparse.Namespace) -> list[dict[str, Any]]:
         speedup = results["on_demand"]["env_steps_per_s"] / results["every_step"]["env_steps_per_s"]
         for render, result in results.items():
             row = {
-                "env": ENV, "workers": workers, "vectorization": args.vectorization, "render": render,
+                "env": args.env, "workers": workers, "vectorization": args.vectorization, "render": render,
                 "image_size": args.image_size, "chunk": args.chunk, **result,
                 "on_demand_speedup": speedup, "mujoco_gl": os.environ["MUJOCO_GL"], "cpu": cpu_name(),
                 "chunks": args.chunks, "rounds": args.rounds,
@@ -156,6 +165,7 @@ def run(args: argparse.Namespace) -> list[dict[str, Any]]:
 def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--mode", choices=["env_only", "cpu_sim_loop"], default="env_only")
+    parser.add_argument("--env", default="Pusher-v5", help="a phyai_gym.make_env name (Pusher-v5, libero_spatial, ...)")
     parser.add_argument("--workers", type=int, nargs="+", default=[1], help="W envs (one async worker each)")
     parser.add_argument("--vectorization", choices=["async", "sync"], default="async")
     parser.add_argument("--image-size", type=int, default=224)

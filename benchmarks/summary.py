@@ -74,6 +74,14 @@ TABLES: dict[str, Table] = {
         ("config.model", "config.cameras", "batch"),
         ("act_inputs_ms_p50", "wrapper_step_ms_p50", "processor_ms", "overhead_frac"),
     ),
+    "cpu_sim_env_only": Table(
+        ("env", "workers", "vectorization", "render", "image_size", "chunk", "mujoco_gl"),
+        ("env_steps_per_s", "on_demand_speedup"),
+    ),
+    "cpu_sim_loop": Table(
+        ("policy", "device", "env", "workers", "vectorization", "render", "image_size", "chunk", "mujoco_gl"),
+        ("env_steps_per_s", "on_demand_speedup", "policy_ms_per_chunk", "env_ms_per_chunk", "policy_share"),
+    ),
     "wrapper_overlap": Table(
         ("config.policy", "config.num_envs", "config.action_chunk"),
         ("speedup.G2_over_G1", "speedup.G2_prefetch_over_G1", "speedup.G2_prefetch_env1_over_G1"),

@@ -76,8 +76,8 @@ class FrameRecorder(VectorWrapper):
 
     def reset(self, *, seed: Any = None, options: dict[str, Any] | None = None) -> tuple[Any, dict[str, Any]]:
         """Resets the env; armed sub-envs that really reset start a new clip with their reset frame."""
-        obs, info = self.env.reset(seed=seed, options=options)
-        options = options or {}
+        options = dict(options or {})
+        obs, info = self.env.reset(seed=seed, options=dict(options))  # Sync/AsyncVectorEnv pop "reset_mask"
         if self._armed and options.get(THAW_OPTION):
             mask = options.get("reset_mask")
             reset = np.ones(self.num_envs, bool) if mask is None else _numpy(mask).astype(bool)

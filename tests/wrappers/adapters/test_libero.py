@@ -19,13 +19,15 @@ os.environ.setdefault("PYOPENGL_PLATFORM", os.environ["MUJOCO_GL"])
 
 from scene_orientation import assert_libero_agentview_upright, assert_libero_wrist_upright  # noqa: E402
 
+from policies.baseline import GaussianPolicy  # noqa: E402
 from wrappers.adapters.libero import (  # noqa: E402
     LIBERO_PRESETS,
     load_init_states,
     make_libero_env,
     quat_to_axis_angle,
 )
-from wrappers.freeze import FREEZABLE_KEY, THAW_OPTION, start_freezing  # noqa: E402
+from wrappers.freeze import FREEZABLE_KEY, READ_EVERY_KEY, THAW_OPTION, set_read_every, start_freezing  # noqa: E402
+from wrappers.policy_vector_env import PolicyVectorEnv  # noqa: E402
 
 HAVE_LIBERO = importlib.util.find_spec("libero") is not None
 WHY = 'LIBERO is not installed (pip install "phyai-gym[libero]" or bash .ci/install_sims.sh libero)'
@@ -293,7 +295,8 @@ def test_truncates_at_the_episode_limit(venv, first):
 def test_async_subprocess_env_matches_sync(first):
     env = make_libero_env(SUITE, task_ids=[0], init_state_ids=3, num_envs=1, vectorization="async")
     try:
-        assert env.metadata[FREEZABLE_KEY]
+        assert env.metadata[FREEZABLE_KEY] and env.metadata[READ_EVERY_KEY]  # renders on demand in the worker too
+        assert set_read_every(env, 1)
         obs, info = env.reset(seed=0)
         assert np.allclose(obs["state"][0], first[0]["state"][0], atol=1e-6)
         assert obs["task"][0] == TASK0 and obs["images"]["image"].shape == (1, 224, 224, 3)
@@ -301,3 +304,66 @@ def test_async_subprocess_env_matches_sync(first):
         assert obs["state"].shape == (1, 8)
     finally:
         env.close()
+
+
+# ---------------------------------------------------------------------------------------------------------
+# render on demand (wrappers.freeze "Reading schedule")
+
+
+@needs_libero
+@pytest.mark.slow
+def test_on_demand_leaves_unread_images_stale_and_renders_read_ones(venv, first):
+    assert venv.metadata[READ_EVERY_KEY] and set_read_every(venv, 2)
+    try:
+        obs, _ = venv.reset(seed=0, options={THAW_OPTION: True})
+        move = np.tile(np.array([0.8, 0.8, 0.8, 0, 0, 0, 1], np.float32), (2, 1))
+        after_one = venv.step(move)[0]
+        assert not np.array_equal(after_one["state"], obs["state"])
+        np.testing.assert_array_equal(after_one["images"]["image"], obs["images"]["image"])  # not rendered
+        after_two = venv.step(move)[0]
+        assert (after_two["images"]["wrist_image"] != obs["images"]["wrist_image"]).any(axis=(1, 2, 3)).all()
+    finally:
+        set_read_every(venv, 1)
+        venv.reset(seed=0, options={THAW_OPTION: True})
+
+
+def _libero_reads(every_step: bool, hard_reset: bool, chunk: int = 3, steps: int = 3) -> list:
+    """What the policy reads through PolicyVectorEnv: reset obs, then per step obs, final_obs and the done mask.
+
+    Sub-env 0 succeeds at its 2nd step of every episode (an end nobody can foresee, mid-chunk); sub-env 1 is
+    truncated at step 5 (mid-chunk too).
+    """
+    env = make_libero_env(
+        SUITE, task_ids=[0], group_size=2, max_episode_steps=5, settle_steps=2, image_size=64, hard_reset=hard_reset
+    )
+    wrapper = PolicyVectorEnv(env, GaussianPolicy(7, action_horizon=chunk, std=0.5), action_chunk=chunk)
+    if every_step:
+        assert set_read_every(env, 1)
+    try:
+        obs, _ = wrapper.reset(seed=0)
+        libero0 = _libero_env(env, 0)
+        libero0.sim_env.check_success = lambda: libero0._elapsed == 2
+        read = [obs]
+        for _ in range(steps):
+            obs, _, terms, truncs, info = wrapper.step()
+            read += [obs, info["final_obs"], terms, truncs]
+        return read
+    finally:
+        wrapper.close()
+
+
+@needs_libero
+@pytest.mark.slow
+@pytest.mark.parametrize("hard_reset", [True, False])  # a hard reset rebuilds robosuite's sensors, a soft one not
+def test_on_demand_rendering_reads_what_rendering_every_step_reads(hard_reset):
+    reference = _libero_reads(every_step=True, hard_reset=hard_reset)
+    on_demand = _libero_reads(every_step=False, hard_reset=hard_reset)
+    terms, truncs = np.stack(reference[3::4]), np.stack(reference[4::4])
+    assert terms[:, 0].all() and not terms[:, 1].any() and truncs[:, 1].any()
+    for expected, got in zip(reference, on_demand):
+        if isinstance(expected, dict):
+            for camera in ("image", "wrist_image"):
+                np.testing.assert_array_equal(expected["images"][camera], got["images"][camera])
+            np.testing.assert_array_equal(expected["state"], got["state"])
+        else:
+            np.testing.assert_array_equal(expected, got)

@@ -14,12 +14,14 @@ import pytest
 import torch
 from scene_orientation import assert_maniskill_upright
 
+from policies.baseline import GaussianPolicy
 from wrappers.adapters.maniskill import (
     ManiSkillFreezeWrapper,
     make_maniskill_env,
     maniskill_instruction,
 )
-from wrappers.freeze import FREEZABLE_KEY, THAW_OPTION, start_freezing
+from wrappers.freeze import FREEZABLE_KEY, READ_EVERY_KEY, THAW_OPTION, set_read_every, start_freezing
+from wrappers.policy_vector_env import PolicyVectorEnv
 
 HAVE_MANISKILL = importlib.util.find_spec("mani_skill") is not None
 WHY = 'ManiSkill3 is not installed (pip install "phyai-gym[maniskill]" or bash .ci/install_sims.sh maniskill)'
@@ -201,3 +203,87 @@ def test_batched_maniskill_vector_env_freezes_and_partially_resets():
         assert int(info["elapsed_steps"][0]) == 0
     finally:
         env.close()
+
+
+# ---------------------------------------------------------------------------------------------------------
+# render on demand (the CPU path captures its cameras itself; wrappers.freeze "Reading schedule")
+
+
+@needs_maniskill
+@pytest.mark.slow
+def test_cpu_images_and_state_equal_obs_mode_rgb():
+    """The sub-envs run in obs_mode="state_dict" and capture their cameras after the step: same pixels as "rgb"."""
+    import gymnasium as gym
+
+    from wrappers.adapters.maniskill import _import_maniskill
+
+    _import_maniskill()
+    ours = make_maniskill_env("PickCube-v1", sim_backend="cpu", vectorization="sync", image_size=64)
+    kwargs = {"obs_mode": "rgb", "control_mode": "pd_ee_delta_pose", "sensor_configs": {"width": 64, "height": 64}}
+    if not torch.cuda.is_available():
+        kwargs["render_backend"] = "cpu"
+    raw_env = gym.make("PickCube-v1", num_envs=1, sim_backend="physx_cpu", **kwargs)
+    try:
+        obs, _ = ours.reset(seed=5)
+        raw, _ = raw_env.reset(seed=5)
+        rng = np.random.default_rng(0)
+        for _ in range(4):
+            rgb = raw["sensor_data"]["base_camera"]["rgb"][0].numpy()
+            np.testing.assert_array_equal(obs["images"]["image"][0], rgb)
+            np.testing.assert_array_equal(obs["state"][0, :9], raw["agent"]["qpos"][0].numpy())
+            action = rng.uniform(-1, 1, (1, 7)).astype(np.float32)
+            obs = ours.step(action)[0]
+            raw = raw_env.step(torch.as_tensor(action))[0]
+    finally:
+        ours.close()
+        raw_env.close()
+
+
+@needs_maniskill
+@pytest.mark.slow
+def test_on_demand_leaves_unread_images_stale(venv):
+    assert venv.metadata[READ_EVERY_KEY] and set_read_every(venv, 2)
+    try:
+        obs, _ = venv.reset(seed=0)
+        move = np.tile(np.array([1.0, 1.0, 1.0, 0, 0, 0, 1], np.float32), (2, 1))
+        after_one = venv.step(move)[0]
+        assert not np.array_equal(after_one["state"], obs["state"])
+        np.testing.assert_array_equal(after_one["images"]["image"], obs["images"]["image"])  # not captured
+        after_two = venv.step(move)[0]
+        assert (after_two["images"]["image"] != obs["images"]["image"]).any(axis=(1, 2, 3)).all()
+    finally:
+        set_read_every(venv, 1)
+        venv.reset(seed=0)
+
+
+def _maniskill_reads(every_step: bool, chunk: int = 3, steps: int = 3) -> list:
+    """Reset obs, then per PolicyVectorEnv step the obs, final_obs and done mask (episodes end mid-chunk)."""
+    torch.manual_seed(0)  # ManiSkill's unseeded (chunk-boundary) resets place the goal with torch's global RNG
+    env = make_maniskill_env(
+        "PickCube-v1", num_envs=2, sim_backend="cpu", vectorization="sync", image_size=64, max_episode_steps=5
+    )
+    wrapper = PolicyVectorEnv(env, GaussianPolicy(7, action_horizon=chunk, std=0.5), action_chunk=chunk)
+    if every_step:
+        assert set_read_every(env, 1)
+    try:
+        obs, _ = wrapper.reset(seed=0)
+        read = [obs]
+        for _ in range(steps):
+            obs, _, terms, truncs, info = wrapper.step()
+            read += [obs, info["final_obs"], terms | truncs]
+        return read
+    finally:
+        wrapper.close()
+
+
+@needs_maniskill
+@pytest.mark.slow
+def test_on_demand_rendering_reads_what_rendering_every_step_reads():
+    reference, on_demand = _maniskill_reads(every_step=True), _maniskill_reads(every_step=False)
+    assert np.stack(reference[3::3]).any(0).all()  # every sub-env ended (at step 5, mid-chunk)
+    for expected, got in zip(reference, on_demand):
+        if isinstance(expected, dict):
+            np.testing.assert_array_equal(expected["images"]["image"], got["images"]["image"])
+            np.testing.assert_array_equal(expected["state"], got["state"])
+        else:
+            np.testing.assert_array_equal(expected, got)

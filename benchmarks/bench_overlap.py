@@ -35,7 +35,7 @@ import torch
 from benchmarks.common import build_pi05, percentiles, write_rows
 from policies.base import PolicyOutput
 from policies.baseline import GaussianPolicy
-from wrappers.freeze import make_freezable_vector_env
+from wrappers.freeze import make_freezable_vector_env, set_read_every
 from wrappers.policy_vector_env import PolicyVectorEnv
 
 BENCH = "wrapper_overlap"
@@ -170,6 +170,7 @@ def _alone_times(groups: list[gym.vector.VectorEnv], policy: Any, chunk: int, it
     """Env time per chunk (C steps of one group's async vector env) and policy time per call, each alone."""
     venv = groups[0]
     n = venv.num_envs
+    set_read_every(venv, chunk)  # as inside PolicyVectorEnv: render only the chunk's last sub-step
     obs, _ = venv.reset(seed=123)
     rng = np.random.default_rng(0)
     env_ms, pol_ms, pol_all_ms = [], [], []

@@ -136,10 +136,10 @@ class PolicyVectorEnv(VectorWrapper):
         self.numpy_infos = numpy_infos
         self.callback = callback
         self._num_envs = sum(e.num_envs for e in envs)
-        self.action_chunk = self._check_chunk(action_chunk)
+        self._action_chunk = self._check_chunk(action_chunk)
         self._setup_spaces(envs[0])
         self._pipeline = EnvPipeline(envs, policy, prefetch=prefetch, env_concurrency=env_concurrency)
-        enable_freezing(envs, self.action_chunk)
+        enable_freezing(envs, self._action_chunk)
         if isinstance(policy, BatchSizePolicy):
             policy.declare_batch_sizes(self._pipeline.batch_sizes)
         self._stats = EpisodeStatistics(self._num_envs) if episode_statistics else None
@@ -219,6 +219,11 @@ class PolicyVectorEnv(VectorWrapper):
             )
 
     # ------------------------------------------------------------------------------------------ public API
+    @property
+    def action_chunk(self) -> int:
+        """C, env steps per `step()`; fixed at construction (the envs were told to render every C-th step)."""
+        return self._action_chunk
+
     @property
     def num_envs(self) -> int:
         """N, over all groups."""

@@ -9,6 +9,8 @@ Rows (one JSONL each, under results/ or --out):
                         the policy-alone rate at the same N.
   batched_sim_startup   seconds from the constructor to the first observation, cold (empty kernel cache) and
                         warm (the cache the cold run filled); --startup runs one start and prints its row.
+  batched_sim_ppo       examples/ppo_pi05.py on the task (--ppo-iterations, default 5): per-iteration rollout /
+                        update / sync seconds, approx-KL, clip fraction, and whether every figure is finite.
 
     python -m benchmarks.bench_batched_sim --sizes 64 256 1024 --config base      # on a GPU
     python -m benchmarks.bench_batched_sim --sizes 4 --config tiny --image-size 64 --device cpu   # a smoke run
@@ -124,6 +126,33 @@ def startup_rows(task: str, image_size: int, device: torch.device, out: Path | N
     write_rows("batched_sim_startup", rows, out)
 
 
+def ppo(task: str, n: int, config: str, chunk: int, iterations: int, device: torch.device, out: Path | None) -> None:
+    """Runs the PPO example on the task and writes one row from its CSV."""
+    import csv
+    import math
+
+    with tempfile.TemporaryDirectory() as folder:
+        curve = Path(folder) / "curve.csv"
+        cmd = [sys.executable, "examples/ppo_pi05.py", "--env", f"mjwarp_{task}", "--config", config, "--device",
+               str(device), "--num-envs", str(n), "--num-steps", "4", "--action-chunk", str(chunk),
+               "--total-iterations", str(iterations), "--eval-episodes", "0", "--csv", str(curve)]  # fmt: skip
+        started = time.perf_counter()
+        env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")])}
+        subprocess.run(cmd, cwd=ROOT, env=env, check=True, timeout=1800)
+        wall = time.perf_counter() - started
+        rows = list(csv.DictReader(curve.open()))
+    numbers = [float(v) for row in rows for k, v in row.items() if k not in ("success_rate", "episodic_return") and v]
+    mean = lambda key: sum(float(r[key]) for r in rows) / len(rows)  # noqa: E731
+    write_rows("batched_sim_ppo", [dict(
+        sim="mujoco_warp", task=task, config=config, num_envs=n, chunk=chunk, num_steps=4, iterations=len(rows),
+        finite=all(math.isfinite(x) for x in numbers), wall_s=wall, rollout_s_mean=mean("time_rollout"),
+        update_s_mean=mean("time_train"), sync_s_mean=mean("time_sync"), approx_kl_mean=mean("approx_kl"),
+        clipfrac_mean=mean("clipfrac"), explained_variance_last=float(rows[-1]["explained_variance"]),
+        per_iteration=[{k: r[k] for k in ("time_rollout", "time_train", "time_sync", "approx_kl", "clipfrac")}
+                       for r in rows],
+    )], out)  # fmt: skip
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--task", default="pick_cube", help="pick_cube or push_cube (default pick_cube)")
@@ -135,8 +164,10 @@ def main() -> None:
     parser.add_argument("--chunk", type=int, default=5, help="C, env steps per policy call (default 5)")
     parser.add_argument("--iters", type=int, default=10, help="timed repetitions (default 10)")
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu", help="cuda or cpu")
-    parser.add_argument("--sections", nargs="+", default=["env_only", "rollout", "startup"],
-                        help="env_only rollout startup (default all)")  # fmt: skip
+    parser.add_argument("--sections", nargs="+", default=["env_only", "rollout", "startup", "ppo"],
+                        help="env_only rollout startup ppo (default all)")  # fmt: skip
+    parser.add_argument("--ppo-envs", type=int, default=64, help="N for the PPO section (default 64)")
+    parser.add_argument("--ppo-iterations", type=int, default=5, help="PPO iterations (default 5)")
     parser.add_argument("--startup", action="store_true", help="(internal) one start-up measurement, printed")
     parser.add_argument("--warp-cache", type=Path, default=None,
                         help="empty folder the start-up rows compile into and then reuse (default: a temporary one)")
@@ -156,6 +187,8 @@ def main() -> None:
             write_rows("batched_sim_rollout", [row], args.out)
     if "startup" in args.sections:
         startup_rows(args.task, args.image_size, device, args.out, args.warp_cache)
+    if "ppo" in args.sections:
+        ppo(args.task, args.ppo_envs, args.config, args.chunk, args.ppo_iterations, device, args.out)
 
 
 if __name__ == "__main__":

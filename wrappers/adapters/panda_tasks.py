@@ -57,8 +57,10 @@ ROT_SCALE = 0.1
 IK_DAMPING = 1e-2
 TARGET_LEAD = 0.25
 EXPERT_GAIN = 0.5
+PUSH_SPEED = 0.3
 TARGET_LEAD_ROT = 0.3
 JOINT_DAMPING = 10.0
+SOLVER_ITERATIONS = 10
 ARM_GAIN = 4.0
 ARM_FORCE = 87.0
 """Factor on Menagerie's arm servo gains (kp, kv): its joints' damping (up to 40) otherwise lets the TCP lag
@@ -182,6 +184,7 @@ def build_model(task: PandaTask, image_size: int, fovy: float = 45.0):  # -> muj
         kp, kv = actuator.gainprm[0] * ARM_GAIN, -actuator.biasprm[2] * ARM_GAIN
         actuator.gainprm[0], actuator.biasprm[1], actuator.biasprm[2] = kp, -kp, -kv
         actuator.forcerange = [-ARM_FORCE, ARM_FORCE]  # the wrist's 12 N m made it lag the shoulder (ManiSkill: 100)
+    spec.option.iterations = SOLVER_ITERATIONS  # MJX's 5 stop short while the fingers press on the cube
     cube = spec.geom("box")
     cube.size = [CUBE_HALF] * 3
     cube.rgba = [0.85, 0.1, 0.1, 1.0]
@@ -358,17 +361,21 @@ def scripted_action(task: PandaTask, s: TaskState) -> torch.Tensor:
         target = torch.where(holding[:, None], s.goal, target)
         grip = torch.where(at_cube | holding, -1.0, grip)
         yaw = torch.where(holding | low, 0.0, yaw_error)
-    else:
+    else:  # behind the cube (robot side), down to the table, then along +x through it to the goal
         behind = s.cube_pos - torch.tensor([CUBE_HALF + 0.03, 0.0, 0.0], device=device)
-        start = behind + torch.tensor([0.0, 0.0, 0.08], device=device)
         placed = torch.linalg.norm(behind[:, :2] - s.tcp_pos[:, :2], dim=-1) < 0.015
-        low = s.tcp_pos[:, 2] < CUBE_HALF + 0.02
-        push_to = s.goal + torch.tensor([-(CUBE_HALF + 0.02), 0.0, CUBE_HALF], device=device)
-        target = torch.where(placed[:, None], behind, start)
-        target = torch.where((placed & low)[:, None] | (s.tcp_pos[:, 0] > behind[:, 0] + 0.01)[:, None] & low[:, None],
-                             push_to, target)  # fmt: skip
+        pushing = (s.tcp_pos[:, 0] > behind[:, 0] - 0.01) & (s.tcp_pos[:, 2] < CUBE_HALF + 0.02)
+        pushing &= (s.tcp_pos[:, 1] - s.cube_pos[:, 1]).abs() < 0.02
+        push_to = torch.stack([s.goal[:, 0] - CUBE_HALF - 0.02, s.cube_pos[:, 1], s.cube_pos[:, 2]], dim=-1)
+        high = behind + torch.tensor([0.0, 0.0, 0.08], device=device)
+        target = torch.where(placed[:, None], behind, high)
+        target = torch.where(pushing[:, None], push_to, target)
         grip = -grip
         yaw = torch.zeros(n, device=device)
+        limit = torch.where(pushing, PUSH_SPEED, 1.0)[:, None]  # a gentle push: the cube slides, it is not hit
+        move = torch.clamp(EXPERT_GAIN * (target - s.tcp_pos) / POS_SCALE, -1, 1) * limit
+        rot = torch.clamp(EXPERT_GAIN * _pointing_down_error(s, yaw) / ROT_SCALE, -1, 1)
+        return torch.cat([move, rot, grip[:, None]], dim=-1)
     move = torch.clamp(EXPERT_GAIN * (target - s.tcp_pos) / POS_SCALE, -1, 1)
     rot = torch.clamp(EXPERT_GAIN * _pointing_down_error(s, yaw) / ROT_SCALE, -1, 1)
     return torch.cat([move, rot, grip[:, None]], dim=-1)

@@ -96,8 +96,9 @@ def test_controller_reaches_a_commanded_pose(pick):
     assert ((down * start_down).sum(1) > np.cos(np.radians(15))).all()
 
 
-def test_scripted_grasp_reaches_success():
-    env = _env(4, cameras=("image",), image_size=8)
+@pytest.mark.parametrize("task", ["pick_cube", "push_cube"])
+def test_scripted_expert_reaches_success(task):
+    env = _env(4, task, cameras=("image",), image_size=8)
     env.reset(seed=0)
     succeeded = torch.zeros(4, dtype=torch.bool)
     for _ in range(50):

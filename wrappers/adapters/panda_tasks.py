@@ -114,6 +114,7 @@ class PandaTask:
         goal_in_state: True: the goal is invisible to the cameras and its position ends the state vector
             (PickCube); False: a target disc on the table shows it (PushCube).
         goal_radius: success radius (m) of the cube centre around the goal.
+        cube_x: the range (m) of the cube's start in front of the robot base (y is always within +-0.1 m).
 
     Example:
         >>> PICK_CUBE.state_dim, PUSH_CUBE.state_dim
@@ -125,6 +126,7 @@ class PandaTask:
     max_episode_steps: int
     goal_in_state: bool
     goal_radius: float
+    cube_x: tuple[float, float] = CUBE_XY[0]
 
     @property
     def state_dim(self) -> int:
@@ -133,7 +135,7 @@ class PandaTask:
 
     def sample(self, rng: np.random.Generator) -> tuple[np.ndarray, np.ndarray]:
         """One initial cube pose (xyz, quaternion wxyz; random yaw) and goal position, from `rng`."""
-        xy = [rng.uniform(*CUBE_XY[0]), rng.uniform(*CUBE_XY[1])]
+        xy = [rng.uniform(*self.cube_x), rng.uniform(*CUBE_XY[1])]
         yaw = rng.uniform(-math.pi, math.pi)
         cube = np.array([*xy, CUBE_HALF, math.cos(yaw / 2), 0.0, 0.0, math.sin(yaw / 2)])
         if self.goal_in_state:  # PickCube: anywhere in the square, 0-0.3 m above the table
@@ -162,7 +164,8 @@ class PandaTask:
 
 
 PICK_CUBE = PandaTask("pick_cube", "pick up the red cube and move it to the goal position", 50, True, 0.025)
-PUSH_CUBE = PandaTask("push_cube", "push the cube to the red target", 50, False, 0.1)
+PUSH_CUBE = PandaTask("push_cube", "push the cube to the red target", 50, False, 0.1, cube_x=(0.5, 0.6))
+"""Its cube starts nearer the middle of the reach: the hand must get behind it and push 0.2 m further."""
 TASKS: dict[str, PandaTask] = {task.name: task for task in (PICK_CUBE, PUSH_CUBE)}
 
 

@@ -98,14 +98,14 @@ def test_controller_reaches_a_commanded_pose(pick):
 
 @pytest.mark.parametrize("task", ["pick_cube", "push_cube"])
 def test_scripted_expert_reaches_success(task):
-    env = _env(4, task, cameras=("image",), image_size=8)
+    env = _env(8, task, cameras=("image",), image_size=8)
     env.reset(seed=0)
-    succeeded = torch.zeros(4, dtype=torch.bool)
+    succeeded = torch.zeros(8, dtype=torch.bool)
     for _ in range(50):
         _, reward, terminated, _, info = env.step(pt.scripted_action(env.task, env.task_state()))
         succeeded |= terminated
         assert torch.equal(terminated, info["success"] & terminated)
-    assert int(succeeded.sum()) >= 3, succeeded
+    assert int(succeeded.sum()) >= 5, succeeded  # the experts succeed in ~80 % of episodes
 
 
 def test_autoreset_next_step_for_plain_users():

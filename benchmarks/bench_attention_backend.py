@@ -12,7 +12,7 @@ Cases are the DESIGN C8 camera/prompt settings (`benchmarks.common.CASES`: (a) 3
 RL setting, 2 cameras + 48 tokens) at batch 1 and 64. One row per (site, case, batch, backend): ``status`` "ran" or
 "failed: <exact error>", ``kernel`` (what `attention.served_by` says ran: a hand-over names its target),
 ``max_rel_err`` = max |out - ref| / max |ref| against the float32 eager reference on the same inputs, and
-``us_per_call``: median GPU time per call of 20 calls captured in one CUDA graph (``timing`` "cuda_graph"), or between
+``us_per_call``: median GPU time of one call of 20 captured in one CUDA graph (``timing`` "cuda_graph"), or between
 CUDA events when capture fails (``timing`` "events", with ``graph_error``). At the expert site and batch 1 the
 Triton kernel is also timed at forced key splits and block widths (``splits``, ``block_n``; rows without them
 are `attention_kernel`'s defaults).

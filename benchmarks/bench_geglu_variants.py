@@ -326,7 +326,7 @@ def _shape_rows(
 ) -> list[dict]:
     """One GeGLU shape: cuBLAS, the shipped kernel, each variant, quack's gated GEMM.
 
-    `timer(fn, calls)`: microseconds per call (`graph_time_us` on the GPU).
+    `timer(fn, calls)`: microseconds a call (`graph_time_us` on the GPU).
     """
     g = torch.Generator(device=_device()).manual_seed(3)
     gate, up = ((torch.randn(f, k, device=_device(), generator=g) * 0.02).bfloat16() for _ in range(2))

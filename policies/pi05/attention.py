@@ -1,4 +1,4 @@
-"""Attention backends (eager reference, PyTorch SDPA, flash-attn, folded-MQA GEMMs) chosen per call site.
+"""Attention backends (eager reference, PyTorch SDPA, flash-attn, folded-MQA GEMMs) chosen for each call site.
 
 Every PI0.5 attention is either unmasked (SigLIP) or masked by *key validity* only (prefix: bidirectional over
 valid tokens; suffix: valid prefix keys plus all action tokens). So one signature serves all sites:

@@ -26,8 +26,7 @@ from typing import Any
 
 import torch
 
-from benchmarks.bench_expert_attention import graph_time_us
-from benchmarks.common import CASES, cuda_time_ms, run_cli, write_rows
+from benchmarks.common import CASES, cuda_time_ms, graph_time_us, run_cli, write_rows
 
 BENCH = "attention_backend"
 BACKENDS = ("flash", "sdpa", "gemm", "triton")

@@ -28,8 +28,7 @@ from typing import Any
 
 import torch
 
-from benchmarks.bench_expert_attention import graph_time_us
-from benchmarks.common import CASES, run_cli, write_rows
+from benchmarks.common import CASES, graph_time_us, run_cli, write_rows
 from policies.pi05 import attention, attention_kernel
 
 BENCH = "attention_variants"

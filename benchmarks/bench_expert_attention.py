@@ -13,33 +13,9 @@ from typing import Any
 
 import torch
 
-from benchmarks.common import run_cli, write_rows
+from benchmarks.common import graph_time_us, run_cli, write_rows
 
 BENCH = "expert_attention"
-
-
-def graph_time_us(fn, calls: int = 20, reps: int = 10) -> float:
-    """Per-call GPU time of `fn` captured `calls` times in one CUDA graph (no launch overhead), median of reps."""
-    with torch.no_grad():
-        side = torch.cuda.Stream()
-        side.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(side):
-            for _ in range(3):
-                fn()
-        torch.cuda.current_stream().wait_stream(side)
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph):
-            for _ in range(calls):
-                fn()
-    times = []
-    for _ in range(reps):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        graph.replay()
-        end.record()
-        torch.cuda.synchronize()
-        times.append(start.elapsed_time(end) * 1e3 / calls)
-    return sorted(times)[len(times) // 2]
 
 
 def run(out: Path | None = None, batches: tuple[int, ...] = (1, 4, 8, 16, 32, 64)) -> list[dict[str, Any]]:

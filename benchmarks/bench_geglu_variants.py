@@ -375,7 +375,7 @@ def _gelu_rows(
 
 def run(out: Path | None = None) -> list[dict[str, Any]]:
     """Every shape's cuBLAS rows, the shipped kernel and each variant; appends to ``geglu_variants.jsonl``."""
-    from benchmarks.bench_expert_attention import graph_time_us
+    from benchmarks.common import graph_time_us
 
     programs = torch.cuda.get_device_properties(0).multi_processor_count
     rows: list[dict[str, Any]] = []

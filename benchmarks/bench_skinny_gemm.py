@@ -19,8 +19,7 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
-from benchmarks.bench_expert_attention import graph_time_us
-from benchmarks.common import run_cli, write_rows
+from benchmarks.common import graph_time_us, run_cli, write_rows
 
 BENCH = "skinny_gemm"
 SHAPES = {"qkv": (1024, 2560), "o": (2048, 1024), "gate_up": (1024, 8192), "down": (4096, 1024)}

@@ -126,8 +126,6 @@ SECTIONS: dict[str, Section] = {
     "attention_expert": section("benchmarks.bench_attention_backend", sites=("expert",)),
     "attention_tune": section("benchmarks.bench_attention_backend", "tune"),
     "prefix_parts": section("benchmarks.bench_prefix_parts"),
-    "geglu_variants": section("benchmarks.bench_geglu_variants"),
-    "skinny_gemm": section("benchmarks.bench_skinny_gemm"),
     "profile_a1": section("benchmarks.profile_policy", plan=(("a", (1,)),)),
     "profile_targets": section("benchmarks.profile_policy", plan=(("a", (1, 64)), ("b", (64,))), copies=True),
     "attention_lm": section("benchmarks.bench_attention_backend", sites=("prefix", "expert")),

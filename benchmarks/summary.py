@@ -49,8 +49,6 @@ TABLES: dict[str, Table] = {
         ("site", "case", "env_batch", "backend", "splits", "block_n"),
         ("status", "kernel", "max_rel_err", "us_per_call", "timing"),
     ),
-    "skinny_gemm": Table(("gemm", "m", "backend", "block_n", "block_k", "num_warps"),
-                         ("us_per_call", "weight_gb_per_s", "max_rel_err", "status")),
     "profile": Table(
         ("case", "batch", "stage", "mode"), ("wall_ms", "kernel_ms", "kernels_per_call", "device_busy_ms", "lead_ms")
     ),
@@ -58,13 +56,6 @@ TABLES: dict[str, Table] = {
     "attention_variants": Table(
         ("site", "case", "env_batch", "variant", "block_m", "block_n", "num_stages"),
         ("us_per_call", "tflops", "routed", "max_rel_err", "status"),
-    ),
-    "geglu_variants": Table(
-        ("case", "variant", "num_stages", "gelu"), ("us_per_call", "tflops", "max_rel_err", "status")
-    ),
-    "compile_sm90": Table(
-        ("kernel", "num_stages", "gelu", "k"),
-        ("shared_bytes", "registers_named", "spill_instructions", "wgmma", "epilogue_instructions", "status"),
     ),
     "expert_kernels": Table(
         ("case", "batch", "fused_kernels"),

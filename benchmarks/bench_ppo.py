@@ -81,7 +81,7 @@ def _inputs(n: int, device: str, seed: int = 0):
 def _policies(device: str, trainer_dtype: torch.dtype | None):
     """(graph rollout policy in bf16 keeping its prefix, eager trainer copy with the same weights, its masters,
     the bytes the rollout policy holds: weights, buffers, graphs)."""
-    from policies.master_weights import MasterWeights
+    from phyai_gym.train.master_weights import MasterWeights
     from policies.pi05.model import Pi05Model
     from policies.pi05.policy import Pi05Policy, RolloutConfig
     from policies.pi05.scheduler import SchedulerConfig

@@ -27,10 +27,10 @@ and checkpoints in LeRobot's layout (``DIR/checkpoints/<iteration>/pretrained_mo
     python examples/ppo_pi05.py --resume runs/a --total-iterations 40            # continue it to 40
 
 The curve is written as it goes (``--csv``, one row flushed per iteration) and plotted next to it (same name,
-``.png``) at the end and on Ctrl-C; `phyai_gym.curves` does both. A rerun with the same ``--csv`` starts from
+``.png``) at the end and on Ctrl-C; `phyai_gym.train.curves` does both. A rerun with the same ``--csv`` starts from
 iteration 1 in a fresh file and keeps the earlier one as ``<stem>.<k>.csv`` (nothing lost, nothing duplicated).
 
-Data parallel under torchrun (`phyai_gym.distributed`; NCCL on GPUs, gloo on the CPU): each of G ranks owns N
+Data parallel under torchrun (`phyai_gym.train.distributed`; NCCL on GPUs, gloo on the CPU): each of G ranks owns N
 envs -- rank r's are envs r*N..(r+1)*N-1 of one run with G*N envs (the same env seeds and policy noise streams)
 -- its rollout policy and its trainer copy. Every minibatch, one all-reduce of sums gives the global approx-KL,
 clip fraction and advantage mean/std, and one all-reduce averages the float32 master gradients, so every rank
@@ -53,14 +53,14 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from phyai_gym.curves import CurveLog
 from phyai_gym.dataclass_cli import parse_dataclass
-from phyai_gym.distributed import GradientMean, ProcessGroup
 from phyai_gym.make import make_env, make_policy
-from phyai_gym.ppo_math import LOGPROB_REDUCTIONS, RewardNormalizer, log_ratio
 from phyai_gym.threads import configure_threads
-from phyai_gym.training_state import TrainingState, latest_checkpoint
-from policies.master_weights import MasterWeights
+from phyai_gym.train.curves import CurveLog
+from phyai_gym.train.distributed import GradientMean, ProcessGroup
+from phyai_gym.train.master_weights import MasterWeights
+from phyai_gym.train.ppo_math import LOGPROB_REDUCTIONS, RewardNormalizer, log_ratio
+from phyai_gym.train.training_state import TrainingState, latest_checkpoint
 from policies.pi05.batch import RolloutBatch
 from policies.pi05.policy import RolloutConfig
 from wrappers import PolicyVectorEnv
@@ -162,7 +162,7 @@ class Args:
     tensorboard: bool = False
     """also log every row to TensorBoard, cleanrl's tags (in <run-dir>/tensorboard, else runs/<csv stem> next to
     the CSV); needs the tensorboard package (pip install tensorboard)"""
-    # Run folder: checkpoints and resume (phyai_gym.training_state)
+    # Run folder: checkpoints and resume (phyai_gym.train.training_state)
     run_dir: str | None = None
     """a folder for the run: args.json, curve.csv and its plot (instead of --csv), checkpoints/ in LeRobot's layout
     (each checkpoints/<iteration>/pretrained_model loads with make_policy and phyai-gym eval --checkpoint), and

@@ -69,7 +69,9 @@ SKIPPED = {
     "python -m benchmarks.soak_gpu": GPU,
     "python -m benchmarks.soak_cpu": "10,000 policy steps by design (minutes); a measurement, not a test",
     "python benchmarks/ppo_curves.py": "3 full PPO runs (minutes), a measurement rather than a test",
-    "python -m phyai_gym.curves CSV": "CSV is a placeholder; tests/phyai_gym/test_curves.py re-plots a curve",
+    "python -m phyai_gym.train.curves CSV": (
+        "CSV is a placeholder; tests/phyai_gym/train/test_curves.py re-plots a curve"
+    ),
     "bash .ci/run": f"{SUITE}, plus ruff",
     "python3 -m pytest -q": SUITE,
 }

@@ -18,7 +18,7 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 from phyai_gym.make import make_env, make_policy
-from phyai_gym.rollout_transport import TransportError, recv_rollout, send_rollout
+from phyai_gym.train.rollout_transport import TransportError, recv_rollout, send_rollout
 from policies.base import RolloutConfig
 from policies.pi05.batch import RolloutBatch, StoredPrefix
 

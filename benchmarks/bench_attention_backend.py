@@ -76,7 +76,7 @@ def _mask_for(backend: str, mask: torch.Tensor | None, shape: dict[str, int]) ->
     if mask is None:
         return None
     s = shape
-    gemm = attention.gemm_serves(s["batch"], s["heads"], s["kv_heads"], s["queries"], s["keys"])
+    gemm = attention.gemm_serves(s["batch"], s["heads"], s["kv_heads"], s["queries"], s["keys"], device=mask.device)
     return attention.additive_mask(mask, attention.mask_dtype(backend, torch.bfloat16, gemm))
 
 

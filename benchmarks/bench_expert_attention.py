@@ -1,5 +1,5 @@
 """Expert attention alone at the C8 shapes, SDPA (cuDNN) against the folded-MQA "gemm" path: the basis of the
-`GEMM_MAX_SCORES` hand-over in `policies/pi05/attention.py`.
+``gemm_max_scores`` hand-over (`policies/pi05/data/tuned_thresholds.json`, read by `policies/pi05/tuning.py`).
 
     python -m benchmarks.bench_expert_attention [--out DIR]   # on a GPU; rows -> expert_attention.jsonl
 
@@ -25,24 +25,20 @@ def run(out: Path | None = None, batches: tuple[int, ...] = (1, 4, 8, 16, 32, 64
 
     rows = []
     cfg = Pi05Config.pi05_base().expert
-    limit, attention.GEMM_MAX_SCORES = attention.GEMM_MAX_SCORES, 1 << 62  # force the gemm path
-    try:
-        for name, (cams, prompt, horizon) in {"a": (3, 200, 50), "b": (2, 48, 10)}.items():
-            s = cams * 256 + prompt + horizon
-            for b in batches:
-                q = torch.randn(b, horizon, cfg.num_heads, cfg.head_dim, device="cuda").transpose(1, 2).bfloat16()
-                k = torch.randn(b, 1, s, cfg.head_dim, device="cuda").bfloat16()
-                v = torch.randn(b, 1, s, cfg.head_dim, device="cuda").bfloat16()
-                mask = attention.additive_mask(torch.ones(b, s, dtype=torch.bool, device="cuda"), torch.float32)
-                row: dict[str, Any] = {"case": name, "batch": b, "keys": s, "scores": b * cfg.num_heads * horizon * s}
-                for backend in ("sdpa", "gemm"):
-                    m = mask.to(torch.bfloat16) if backend == "sdpa" else mask
-                    row[f"{backend}_us"] = graph_time_us(
-                        lambda q=q, k=k, v=v, m=m, be=backend: attention.attend(q, k, v, m, cfg.head_dim**-0.5, be)
-                    )
-                rows += write_rows(BENCH, [row], out)
-    finally:
-        attention.GEMM_MAX_SCORES = limit
+    scale = cfg.head_dim**-0.5
+    for name, (cams, prompt, horizon) in {"a": (3, 200, 50), "b": (2, 48, 10)}.items():
+        s = cams * 256 + prompt + horizon
+        for b in batches:
+            q = torch.randn(b, horizon, cfg.num_heads, cfg.head_dim, device="cuda").transpose(1, 2).bfloat16()
+            k = torch.randn(b, 1, s, cfg.head_dim, device="cuda").bfloat16()
+            v = torch.randn(b, 1, s, cfg.head_dim, device="cuda").bfloat16()
+            mask = attention.additive_mask(torch.ones(b, s, dtype=torch.bool, device="cuda"), torch.float32)
+            row: dict[str, Any] = {"case": name, "batch": b, "keys": s, "scores": b * cfg.num_heads * horizon * s}
+            half = mask.to(torch.bfloat16)
+            row["sdpa_us"] = graph_time_us(lambda q=q, k=k, v=v, m=half: attention.attend(q, k, v, m, scale, "sdpa"))
+            # the gemm path at every size (attend would hand the large calls to SDPA)
+            row["gemm_us"] = graph_time_us(lambda q=q, k=k, v=v, m=mask: attention.gemm_attention(q, k, v, m, scale))
+            rows += write_rows(BENCH, [row], out)
     return rows
 
 

@@ -12,7 +12,7 @@ Cases are the DESIGN C8 camera/prompt settings (`benchmarks.common.CASES`: (a) 3
 RL setting, 2 cameras + 48 tokens) at batch 1 and 64. One row per (site, case, batch, backend): ``status`` "ran" or
 "failed: <exact error>", ``kernel`` (what `attention.served_by` says ran: a hand-over names its target),
 ``max_rel_err`` = max |out - ref| / max |ref| against the float32 eager reference on the same inputs, and
-``us_per_call``: median GPU time per call of 20 calls captured in one CUDA graph (``timing`` "cuda_graph"), or between
+``us_per_call``: median GPU time of one call of 20 captured in one CUDA graph (``timing`` "cuda_graph"), or between
 CUDA events when capture fails (``timing`` "events", with ``graph_error``). At the expert site and batch 1 the
 Triton kernel is also timed at forced key splits and block widths (``splits``, ``block_n``; rows without them
 are `attention_kernel`'s defaults).
@@ -26,8 +26,7 @@ from typing import Any
 
 import torch
 
-from benchmarks.bench_expert_attention import graph_time_us
-from benchmarks.common import CASES, cuda_time_ms, run_cli, write_rows
+from benchmarks.common import CASES, cuda_time_ms, graph_time_us, run_cli, write_rows
 
 BENCH = "attention_backend"
 BACKENDS = ("flash", "sdpa", "gemm", "triton")
@@ -77,7 +76,7 @@ def _mask_for(backend: str, mask: torch.Tensor | None, shape: dict[str, int]) ->
     if mask is None:
         return None
     s = shape
-    gemm = attention.gemm_serves(s["batch"], s["heads"], s["kv_heads"], s["queries"], s["keys"])
+    gemm = attention.gemm_serves(s["batch"], s["heads"], s["kv_heads"], s["queries"], s["keys"], device=mask.device)
     return attention.additive_mask(mask, attention.mask_dtype(backend, torch.bfloat16, gemm))
 
 

@@ -9,7 +9,7 @@ per-thread pointer copies made the kernel 18 % faster at the same tiles (82.2 ag
 kernel), and (b) that FlashAttention-4 runs the same call in 49.4 us when the valid keys are each row's first ones
 (``seqused_k``, no per-call copy): what the fused expert's packed action keys (`PrefixCache.valid_first`) give it.
 
-This sweep places the hand-over (`attention.FLASH_MIN_SCORES`): at both sites, for the three geometries of
+This sweep places the hand-over (the tuned ``flash_min_scores``): at both sites, for the three geometries of
 `benchmarks.common.CASES` (the expert's horizon and prompt as the policy runs them) at batches 1 to 64, with keys
 valid-first (random valid counts: prompts of a quarter to all of their bucket), it times the Triton kernel at its
 own geometry rule (``triton``), at the large tiles without key splits (``triton large``, the expert), and
@@ -28,9 +28,8 @@ from typing import Any
 
 import torch
 
-from benchmarks.bench_expert_attention import graph_time_us
-from benchmarks.common import CASES, run_cli, write_rows
-from policies.pi05 import attention, attention_kernel
+from benchmarks.common import CASES, graph_time_us, run_cli, write_rows
+from policies.pi05 import attention, attention_kernel, tuning
 
 BENCH = "attention_variants"
 BATCHES = (1, 2, 4, 8, 16, 32, 64)
@@ -73,7 +72,7 @@ def measure(site: str, case: str, batch: int, device: torch.device) -> list[dict
     if attention.flash_attn_status() is None:
         calls.append(("flash in place", lambda: attention._flash_call(q, k, v, mask, scale, x["lengths"])))
     rows = []
-    routed = "flash in place" if scores >= attention.FLASH_MIN_SCORES else "triton"
+    routed = "flash in place" if scores >= tuning.thresholds(q.device).flash_min_scores else "triton"
     for variant, call in calls:
         row = {"site": site, "case": case, "env_batch": batch, "variant": variant, **shape, "scores": scores,
                "routed": variant == routed}  # fmt: skip

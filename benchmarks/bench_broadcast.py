@@ -6,7 +6,7 @@
 
 `--config host` (CPU, gloo) uses pi05_base's tensor count and names at tiny sizes, so what is timed is the
 protocol's host work and the transfers; `--buckets N` sets the bucket size to give N buckets (17 is what the
-expert set takes in 64 MiB buckets at full size).
+expert set takes in 64-MiB buckets at full size).
 
 Rank 0 holds a trainer model (no policy); rank 1 a `Pi05Policy`. Measured in the same run: a plain
 `dist.broadcast` of one flat buffer with the bytes of the expert + heads, and `broadcast_weights` of the same

@@ -1,5 +1,5 @@
 """Expert attention alone at the C8 shapes, SDPA (cuDNN) against the folded-MQA "gemm" path: the basis of the
-`GEMM_MAX_SCORES` hand-over in `policies/pi05/attention.py`.
+``gemm_max_scores`` hand-over (`policies/pi05/data/tuned_thresholds.json`, read by `policies/pi05/tuning.py`).
 
     python -m benchmarks.bench_expert_attention [--out DIR]   # on a GPU; rows -> expert_attention.jsonl
 
@@ -13,33 +13,9 @@ from typing import Any
 
 import torch
 
-from benchmarks.common import run_cli, write_rows
+from benchmarks.common import graph_time_us, run_cli, write_rows
 
 BENCH = "expert_attention"
-
-
-def graph_time_us(fn, calls: int = 20, reps: int = 10) -> float:
-    """Per-call GPU time of `fn` captured `calls` times in one CUDA graph (no launch overhead), median of reps."""
-    with torch.no_grad():
-        side = torch.cuda.Stream()
-        side.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(side):
-            for _ in range(3):
-                fn()
-        torch.cuda.current_stream().wait_stream(side)
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph):
-            for _ in range(calls):
-                fn()
-    times = []
-    for _ in range(reps):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        graph.replay()
-        end.record()
-        torch.cuda.synchronize()
-        times.append(start.elapsed_time(end) * 1e3 / calls)
-    return sorted(times)[len(times) // 2]
 
 
 def run(out: Path | None = None, batches: tuple[int, ...] = (1, 4, 8, 16, 32, 64)) -> list[dict[str, Any]]:
@@ -49,24 +25,20 @@ def run(out: Path | None = None, batches: tuple[int, ...] = (1, 4, 8, 16, 32, 64
 
     rows = []
     cfg = Pi05Config.pi05_base().expert
-    limit, attention.GEMM_MAX_SCORES = attention.GEMM_MAX_SCORES, 1 << 62  # force the gemm path
-    try:
-        for name, (cams, prompt, horizon) in {"a": (3, 200, 50), "b": (2, 48, 10)}.items():
-            s = cams * 256 + prompt + horizon
-            for b in batches:
-                q = torch.randn(b, horizon, cfg.num_heads, cfg.head_dim, device="cuda").transpose(1, 2).bfloat16()
-                k = torch.randn(b, 1, s, cfg.head_dim, device="cuda").bfloat16()
-                v = torch.randn(b, 1, s, cfg.head_dim, device="cuda").bfloat16()
-                mask = attention.additive_mask(torch.ones(b, s, dtype=torch.bool, device="cuda"), torch.float32)
-                row: dict[str, Any] = {"case": name, "batch": b, "keys": s, "scores": b * cfg.num_heads * horizon * s}
-                for backend in ("sdpa", "gemm"):
-                    m = mask.to(torch.bfloat16) if backend == "sdpa" else mask
-                    row[f"{backend}_us"] = graph_time_us(
-                        lambda q=q, k=k, v=v, m=m, be=backend: attention.attend(q, k, v, m, cfg.head_dim**-0.5, be)
-                    )
-                rows += write_rows(BENCH, [row], out)
-    finally:
-        attention.GEMM_MAX_SCORES = limit
+    scale = cfg.head_dim**-0.5
+    for name, (cams, prompt, horizon) in {"a": (3, 200, 50), "b": (2, 48, 10)}.items():
+        s = cams * 256 + prompt + horizon
+        for b in batches:
+            q = torch.randn(b, horizon, cfg.num_heads, cfg.head_dim, device="cuda").transpose(1, 2).bfloat16()
+            k = torch.randn(b, 1, s, cfg.head_dim, device="cuda").bfloat16()
+            v = torch.randn(b, 1, s, cfg.head_dim, device="cuda").bfloat16()
+            mask = attention.additive_mask(torch.ones(b, s, dtype=torch.bool, device="cuda"), torch.float32)
+            row: dict[str, Any] = {"case": name, "batch": b, "keys": s, "scores": b * cfg.num_heads * horizon * s}
+            half = mask.to(torch.bfloat16)
+            row["sdpa_us"] = graph_time_us(lambda q=q, k=k, v=v, m=half: attention.attend(q, k, v, m, scale, "sdpa"))
+            # the gemm path at every size (attend would hand the large calls to SDPA)
+            row["gemm_us"] = graph_time_us(lambda q=q, k=k, v=v, m=mask: attention.gemm_attention(q, k, v, m, scale))
+            rows += write_rows(BENCH, [row], out)
     return rows
 
 

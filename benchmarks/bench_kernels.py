@@ -8,8 +8,8 @@
    the per-layer kernel names come with it, and those of the denoise stage outside the layers (per step: the
    once-per-stage kernels, noise draws and controls, are spread over the K steps). The stages run eagerly on the
    static buffers: the same kernels as the graph replay, and visible to every CUPTI.
-2. `fused_kernels_check` rows: full-size case (a) chains with the fused kernels against the unfused ones (same
-   model, same inputs and seeds), and graph replay against the eager stage with them on.
+2. `expert_kernels` rows of kind ``check``: full-size case (a) chains with the fused kernels against the unfused
+   ones (same model, same inputs and seeds), and graph replay against the eager stage with them on.
 3. `policy` rows: `bench_policy.bench_case` for case (a) batch 1 and 64 and case (b) batch 64, off and on.
 
 Each part records a failure as a `gpu_suite` row and goes on with the next.
@@ -95,7 +95,7 @@ def kernel_counts(out: Path | None = None, case_name: str = "a", batch: int = 1)
 
 
 def agreement(out: Path | None = None, case_name: str = "a", batches=(1, 8)) -> list[dict]:
-    """`fused_kernels_check` rows: fused vs unfused chains on one full-size model; graph == eager with fused."""
+    """``check`` rows: fused vs unfused chains on one full-size model; graph == eager with fused."""
     case = CASES[case_name]
     rows = []
     policy = build_case_policy(case, list(batches), "ode", "none", True)
@@ -110,8 +110,8 @@ def agreement(out: Path | None = None, case_name: str = "a", batches=(1, 8)) -> 
         eager = type(policy)(model, processor, rollout, sched).act_inputs(inputs, seeds=range(n)).chains
         plain = type(policy)(model, processor, rollout, replace(sched, fused_kernels=False, cuda_graphs=True))
         unfused = plain.act_inputs(inputs, seeds=range(n)).chains
-        rows += write_rows("fused_kernels_check", [{
-            "case": case_name, "batch": n, "graph_equals_eager": bool(torch.equal(fused_chain, eager)),
+        rows += write_rows(BENCH, [{
+            "kind": "check", "case": case_name, "batch": n, "graph_equals_eager": bool(torch.equal(fused_chain, eager)),
             "chains_max_abs_diff": (fused_chain - unfused).abs().max().item(),
             "chains_max_abs": unfused.abs().max().item(),
             "final_actions_max_abs_diff": (fused_chain[:, -1] - unfused[:, -1]).abs().max().item(),

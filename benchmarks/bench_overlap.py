@@ -46,7 +46,7 @@ class TimedPolicy:
     """Forwards to a policy and accumulates the time it is busy in ``act``/``value``.
 
     On CPU: the host time inside the call. On CUDA, without synchronizing (a device-wide sync here would hold
-    the caller until every queued call finished, and so change the schedule it measures): per call the larger
+    the caller until every queued call finished, and so change the schedule it measures): in each call the larger
     of the host time inside ``act`` and the GPU span between events recorded at its entry and exit, summed
     once they completed (`settle`).
     """
@@ -167,7 +167,7 @@ def _run_steps(env: PolicyVectorEnv, policy: TimedPolicy, steps: int) -> dict[st
 
 
 def _alone_times(groups: list[gym.vector.VectorEnv], policy: Any, chunk: int, iters: int) -> dict[str, float]:
-    """Env time per chunk (C steps of one group's async vector env) and policy time per call, each alone."""
+    """Env time per chunk (C steps of one group's async vector env) and policy time of one call, each alone."""
     venv = groups[0]
     n = venv.num_envs
     set_read_every(venv, chunk)  # as inside PolicyVectorEnv: render only the chunk's last sub-step

@@ -4,17 +4,17 @@
     python -m benchmarks.bench_ppo [--out DIR] --seeds 1 2 3 4      # `seeds` only (not in the default set)
 
 LIBERO RL setting: pi05_base geometry, 2 cameras, 48-token prompt, K=5 joint flow-SDE, H=10, C=5, A=7, prefix
-values, trainable = expert, random weights (every weight randomised). Rows go to <bench>.jsonl (results/ or
-DIR):
-  ppo_update     minibatch samples/s of evaluate() forward + backward + optimizer step (incl. the master copies),
+values, trainable = expert, random weights (every weight randomised). Rows go to ppo.jsonl (results/ or DIR), their
+``kind`` saying which measurement, and the update-0 ratio to update0_ratio.jsonl:
+  update         minibatch samples/s of evaluate() forward + backward + optimizer step (incl. the master copies),
                  for the default trainer (rollout's bf16 + float32 masters; the rollout's prefix K/V kept), the
                  same with the prefix encoded once per rollout batch (its cost shared over 4 epochs x 2
                  minibatches), and the float32 trainer (prefix recomputed per minibatch)
   update0_ratio  |log pi_trainer - log pi_rollout| at update 0 over a batch of 64 graph-rollout samples
   act_public     act() samples/s through the public processor at N = 8..64 with each N declared
-  ppo_iteration  examples/ppo_pi05.py --config base --device cuda on the target task (median iteration, split)
-  ppo_seeds      `seeds`: that run for several seeds, one spawned process each, two at a time on the one GPU (each also
-                 a ppo_iteration row with "seed" and "concurrent_runs", its timings shared-GPU ones); the final
+  iteration      examples/ppo_pi05.py --config base --device cuda on the target task (median iteration, split)
+  seeds          `seeds`: that run for several seeds, one spawned process each, two at a time on the one GPU (each also
+                 an ``iteration`` row with "seed" and "concurrent_runs", its timings shared-GPU ones); the final
                  success rates per seed and their means
 """
 
@@ -40,8 +40,8 @@ BATCH, MINIBATCH, EPOCHS = 64, 32, 4
 
 
 def _row(out: Path | None, row: dict) -> None:
-    bench = row.pop("bench")
-    write_rows(bench, [row], out)
+    """Append `row` to ``ppo.jsonl``; its ``kind`` says which measurement it is."""
+    write_rows("ppo", [row], out)
 
 
 def _config():
@@ -81,7 +81,7 @@ def _inputs(n: int, device: str, seed: int = 0):
 def _policies(device: str, trainer_dtype: torch.dtype | None):
     """(graph rollout policy in bf16 keeping its prefix, eager trainer copy with the same weights, its masters,
     the bytes the rollout policy holds: weights, buffers, graphs)."""
-    from policies.master_weights import MasterWeights
+    from phyai_gym.train.master_weights import MasterWeights
     from policies.pi05.model import Pi05Model
     from policies.pi05.policy import Pi05Policy, RolloutConfig
     from policies.pi05.scheduler import SchedulerConfig
@@ -187,7 +187,7 @@ def bench_update(out: Path, device: str = "cuda") -> None:
             times = _time_updates(trainer, master, data, steps=8 if trainer_dtype is None else 3, graphs=graphs)
             kernels, launches = _kernels_per_minibatch(trainer, master, data, graphs)
             p50 = float(np.median(times)) + encode_s / (EPOCHS * BATCH // MINIBATCH)
-            _row(out, {"bench": "ppo_update", "trainer": name, "setting": SETTING, "minibatch": MINIBATCH,
+            _row(out, {"kind": "update", "trainer": name, "setting": SETTING, "minibatch": MINIBATCH,
                        "K": 5, "method": "sde joint", "trainable": "expert",
                        "cuda_graphs": graphs,
                        "prefix": {"default": "kept from the rollout", "default_graphed": "kept from the rollout",
@@ -212,12 +212,12 @@ def bench_ratio(out: Path, device: str = "cuda") -> None:
         with torch.no_grad():
             ev = trainer.evaluate(batch)
         log_ratio = (ev.log_prob - batch.log_prob).float()
-        _row(out, {"bench": "update0_ratio", "trainer": "default" if trainer_dtype is None else "float32",
+        write_rows("update0_ratio", [{"trainer": "default" if trainer_dtype is None else "float32",
                    "setting": SETTING, "batch": BATCH, "mean_abs_log_ratio": float(log_ratio.abs().mean()),
                    "max_abs_log_ratio": float(log_ratio.abs().max()),
                    "clip_fraction": float(((log_ratio.exp() - 1).abs() > 0.2).float().mean()),
                    "approx_kl": float(((log_ratio.exp() - 1) - log_ratio).mean()),
-                   "mean_abs_value_diff": float((ev.values - batch.values).abs().mean())})
+                   "mean_abs_value_diff": float((ev.values - batch.values).abs().mean())}], out)
         del rollout, trainer, master, batch
         torch.cuda.empty_cache()
 
@@ -250,7 +250,7 @@ def bench_act(out: Path, device: str = "cuda", sizes=(8, 16, 24, 40, 48, 56, 64)
         rows.append((n, n / p50, p50, int(policy.processor(obs).tokens.shape[1])))
     at64 = dict((n, s) for n, s, _, _ in rows).get(64)
     for n, sps, p50, bucket in rows:
-        _row(out, {"bench": "act_public", "setting": SETTING, "batch": n, "samples_per_s": sps,
+        _row(out, {"kind": "act_public", "setting": SETTING, "batch": n, "samples_per_s": sps,
                    "p50_ms": p50 * 1e3, "prompt_bucket": bucket, "bucket": policy.scheduler.bucket_for(n),
                    "ratio_to_64": sps / at64 if at64 else None})
     policy.close()
@@ -259,7 +259,7 @@ def bench_act(out: Path, device: str = "cuda", sizes=(8, 16, 24, 40, 48, 56, 64)
 def _iteration_row(
     csv: Path, iterations: int, flags: tuple[str, ...], config: str, device: str, extra: tuple[str, ...] = ()
 ) -> dict:
-    """One run of the PPO example in this process (`flags`, then `extra`, after the defaults); its ppo_iteration
+    """One run of the PPO example in this process (`flags`, then `extra`, after the defaults); its ``iteration``
     row, "flags" naming `flags` only."""
     import runpy
 
@@ -271,7 +271,7 @@ def _iteration_row(
     curve = result["curve"]
     split = {k: float(np.median([r[f"time_{k}"] for r in curve])) for k in ("rollout", "train", "sync")}
     return {
-        "bench": "ppo_iteration",
+        "kind": "iteration",
         "config": config,
         "env": args.env,
         "flags": " ".join(flags),
@@ -327,7 +327,7 @@ def _seed_child(
         except BaseException as err:  # noqa: BLE001 - the parent records it
             traceback.print_exc()
             row = {
-                "bench": "ppo_iteration_error",
+                "kind": "iteration_error",
                 "flags": " ".join(flags),
                 "error": f"{type(err).__name__}: {err}"[:2000],
                 "traceback": traceback.format_exc()[-4000:],
@@ -358,19 +358,19 @@ def _collect_child(
     path = work / f"ppo_seed{seed}.json"
     if path.exists():
         row = json.loads(path.read_text())
-        path.unlink()  # the row goes to ppo_iteration.jsonl
+        path.unlink()  # the row goes to ppo.jsonl
     else:
         why = f"ran past timeout_s={timeout_s}" if timed_out else "died"
         log = work / f"ppo_seed{seed}.log"
         row = {
-            "bench": "ppo_iteration_error",
+            "kind": "iteration_error",
             "flags": " ".join(flags),
             "seed": seed,
             "concurrent_runs": width,
             "error": f"child {why} (exit code {child.exitcode}) after {time.perf_counter() - start:.0f} s, no row",
             "log_tail": log.read_text()[-4000:] if log.exists() else "",
         }
-    print(f"ppo_seeds: seed {seed} {row['bench']} deterministic {row.get('final_success_deterministic')}", flush=True)
+    print(f"ppo_seeds: seed {seed} {row['kind']} deterministic {row.get('final_success_deterministic')}", flush=True)
     return row
 
 
@@ -388,10 +388,10 @@ def bench_seeds(
 
     Each child runs the example in process with ``--seed S`` after `flags` (its CSV, plot and log go to
     ``DIR/ppo_seed<S>.*``, or a temporary folder when `out` is None) and hands its row back through a JSON file;
-    the parent alone appends the ppo_iteration rows (``seed``, ``concurrent_runs``: the timings are shared-GPU
+    the parent alone appends the ``iteration`` rows (``seed``, ``concurrent_runs``: the timings are shared-GPU
     ones), an error row for a child that failed, died or ran past `timeout_s` (counted from the start of all;
-    then it is terminated), and one ppo_seeds row: the final success rates per seed and their means over the
-    seeds that finished. Returns that ppo_seeds row. The default of 2 is what fits an H200: a full-size run
+    then it is terminated), and one ``seeds`` row: the final success rates per seed and their means over the
+    seeds that finished. Returns that ``seeds`` row. The default of 2 is what fits an H200: a full-size run
     peaks at 35-57 GiB, and 3 or 4 at once ran out of its memory.
     """
     import multiprocessing
@@ -423,10 +423,10 @@ def bench_seeds(
         for seed, child in wave.items():
             rows[seed] = _collect_child(work, seed, child, flags, width, start, timeout_s)
             _row(out, dict(rows[seed]))
-    done = [s for s in seeds if rows[s]["bench"] == "ppo_iteration"]
+    done = [s for s in seeds if rows[s]["kind"] == "iteration"]
     finals = {mode: [rows[s].get(f"final_success_{mode}") for s in seeds] for mode in ("deterministic", "stochastic")}
     summary = {
-        "bench": "ppo_seeds",
+        "kind": "seeds",
         "config": config,
         "device": device,
         "flags": " ".join(flags),
@@ -468,7 +468,7 @@ def run(out: Path | None = None, which=DEFAULT, seeds=None, flags: tuple[str, ..
             else:
                 WHICH[name](out)
         except Exception as err:  # noqa: BLE001
-            _row(out, {"bench": f"ppo_{name}_error", "error": f"{type(err).__name__}: {err}"[:2000]})
+            _row(out, {"kind": f"{name}_error", "error": f"{type(err).__name__}: {err}"[:2000]})
             traceback.print_exc()
 
 

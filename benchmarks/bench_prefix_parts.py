@@ -25,8 +25,7 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
-from benchmarks.bench_expert_attention import graph_time_us
-from benchmarks.common import run_cli, write_rows
+from benchmarks.common import graph_time_us, run_cli, write_rows
 
 BENCH = "prefix_parts"
 TOKENS = {"a": 64 * 968, "b": 64 * 560}

@@ -7,6 +7,8 @@ One row per (subset, source): host wall time from `begin_weight_update` to the c
 
     python -m benchmarks.bench_weight_sync --config base [--out DIR]       # rows -> weight_sync.jsonl
 
+Every row goes to ``weight_sync.jsonl``; the phase, profile and host-overhead rows carry ``kind``.
+
 `run(out_path, config_name)` is the entry point `benchmarks/gpu_suite.py` calls.
 
 `--host-overhead` isolates the host (Python) cost of a sync on CPU: a model with pi05_base's number and names
@@ -195,7 +197,7 @@ def profile_sync(
         gpu = sorted(events, key=lambda e: -getattr(e, "self_device_time_total", 0))[:10]
         gpu_busy = sum(getattr(e, "self_device_time_total", 0) for e in events) / 1e3 / reps
         rows.append({
-            "bench": "weight_sync_profile", "config": config_name, "gpu": torch.cuda.get_device_name(),
+            "bench": "weight_sync", "kind": "profile", "config": config_name, "gpu": torch.cuda.get_device_name(),
             "torch": torch.__version__, "commit": git_commit(), "source": name, "subset": "expert",
             "wall_ms_per_sync": round(wall, 3), "gpu_busy_ms_per_sync": round(gpu_busy, 3),
             "top_cpu": [{"op": e.key[:80], "self_ms": round(e.self_cpu_time_total / 1e3 / reps, 3),
@@ -237,7 +239,7 @@ def phase_times(out_path: str | Path, config_name: str = "base", iters: int = 10
                 marks.append([(b - a) * 1e3 for a, b in ((t0, t1), (t1, t2), (t2, t3), (t3, t4), (t0, t4))])
         p50 = [round(statistics.median(col), 3) for col in zip(*marks)]
         rows.append({
-            "bench": "weight_sync_phases", "config": config_name, "gpu": torch.cuda.get_device_name(device)
+            "bench": "weight_sync", "kind": "phases", "config": config_name, "gpu": torch.cuda.get_device_name(device)
             if device.type == "cuda" else "cpu", "torch": torch.__version__, "commit": git_commit(),
             "expected": expected, "begin_ms": p50[0], "update_ms": p50[1], "finish_ms": p50[2],
             "sync_after_ms": p50[3], "total_ms": p50[4],
@@ -272,7 +274,8 @@ def run_host_overhead(
     trainer = copy.deepcopy(policy.model)
     device = torch.device("cpu")
     meta = {
-        "bench": "weight_sync_host_overhead",
+        "bench": "weight_sync",
+        "kind": "host_overhead",
         "device": "cpu",
         "torch": torch.__version__,
         "commit": git_commit(),

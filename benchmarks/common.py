@@ -127,6 +127,31 @@ def synchronize(device: str | torch.device | None = None) -> None:
         torch.cuda.synchronize(device)
 
 
+def graph_time_us(fn: Callable[[], Any], calls: int = 20, reps: int = 10) -> float:
+    """GPU time in us of one call of `fn`: `calls` calls captured in one CUDA graph (no launch overhead), the median
+    of `reps` replays."""
+    with torch.no_grad():
+        side = torch.cuda.Stream()
+        side.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(side):
+            for _ in range(3):
+                fn()
+        torch.cuda.current_stream().wait_stream(side)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            for _ in range(calls):
+                fn()
+    times = []
+    for _ in range(reps):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        graph.replay()
+        end.record()
+        torch.cuda.synchronize()
+        times.append(start.elapsed_time(end) * 1e3 / calls)
+    return sorted(times)[len(times) // 2]
+
+
 def cuda_time_ms(fn: Callable[[], Any], iters: int, warmup: int = 2) -> list[float]:
     """GPU time of each of `iters` calls of `fn` between CUDA events on the current stream (warm-up excluded)."""
     for _ in range(warmup):

@@ -48,13 +48,13 @@ def _subprocess_env() -> dict[str, str]:
 
 
 def cuda_tests(out: Path) -> None:
-    """The CUDA-marked pytest tests under tests/policies and tests/wrappers; one row to ``cuda_tests.jsonl``."""
+    """The CUDA-marked pytest tests under tests/policies and tests/wrappers; one ``cuda_tests`` row of ``gpu_suite``."""
     cmd = [sys.executable, "-m", "pytest", "-q", "-m", "cuda", "-p", "no:cacheprovider", "tests/policies",
            "tests/wrappers"]  # fmt: skip
     proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=400, env=_subprocess_env())
     (out / "pytest_cuda.log").write_text(proc.stdout + proc.stderr)
     tail = (proc.stdout.strip().splitlines() or ["(no output)"])[-1]
-    write_rows("cuda_tests", [{"returncode": proc.returncode, "summary": tail}], out)
+    write_rows("gpu_suite", [{"kind": "cuda_tests", "returncode": proc.returncode, "summary": tail}], out)
 
 
 def weight_sync(out: Path) -> None:
@@ -126,8 +126,6 @@ SECTIONS: dict[str, Section] = {
     "attention_expert": section("benchmarks.bench_attention_backend", sites=("expert",)),
     "attention_tune": section("benchmarks.bench_attention_backend", "tune"),
     "prefix_parts": section("benchmarks.bench_prefix_parts"),
-    "geglu_variants": section("benchmarks.bench_geglu_variants"),
-    "skinny_gemm": section("benchmarks.bench_skinny_gemm"),
     "profile_a1": section("benchmarks.profile_policy", plan=(("a", (1,)),)),
     "profile_targets": section("benchmarks.profile_policy", plan=(("a", (1, 64)), ("b", (64,))), copies=True),
     "attention_lm": section("benchmarks.bench_attention_backend", sites=("prefix", "expert")),

@@ -2,7 +2,7 @@
 
 Runs ``examples/ppo_pi05.py`` once per seed (the settings of tests/examples/test_ppo.py), printing its
 ``iter k/N`` + ETA lines. Each seed's curve is written as it goes to ``OUT/seed_<s>.csv`` with its panel plot
-``OUT/seed_<s>.png`` (phyai_gym.curves); at the end ``OUT/success.png`` overlays the seeds' success rates
+``OUT/seed_<s>.png`` (phyai_gym.train.curves); at the end ``OUT/success.png`` overlays the seeds' success rates
 against the best constant action (~0.5). Nothing under benchmarks/results is touched unless ``--out`` points
 there.
 

@@ -2,7 +2,7 @@
 
 The LIBERO RL setting (DESIGN C8): `Pi05Config.pi05_base()` in bf16 with random weights, 2 cameras, a 48-token
 prompt, K=5 denoise steps, horizon H=10, chunk C=5, batch 1, method ``sde`` with values -- about 17 ms a step
-on an H200 (batch 1 keeps the 5,000 steps inside one device call). The scheduler declares one batch bucket (1),
+on an H200 (batch 1 keeps the 5,000 steps under two minutes). The scheduler declares one batch bucket (1),
 one prompt bucket (48) and one K, so start-up captures few graphs. One *step* is one ``policy.act_inputs`` call
 on processed inputs already on the device (`benchmarks/bench_policy.py` measures the processor separately).
 

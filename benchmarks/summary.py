@@ -5,8 +5,10 @@
     python -m benchmarks.summary --check            # exit 1 if SUMMARY.md is not what the rows give
 
 Each ``results/<bench>.jsonl`` is append-only, oldest row first, so the latest row of a case is its last one. A
-case is the GPU plus the fields `TABLES` names for that benchmark; the table shows the fields `TABLES` picks (a
-benchmark missing from `TABLES` shows its ``case`` field and its first numeric fields).
+benchmark that measures several things tells its rows apart by a ``kind`` field, and each kind is its own table
+(`TABLES` key ``"<bench>.<kind>"``). A case is the GPU plus the fields `TABLES` names for that table; the table
+shows the fields `TABLES` picks (a table missing from `TABLES` shows its ``case`` field and its first numeric
+fields).
 """
 
 from __future__ import annotations
@@ -39,7 +41,7 @@ TABLES: dict[str, Table] = {
     "model_eager": Table(("backend", "batch"), ("p50_ms", "peak_mem_gib", "finite", "status")),
     "startup": Table((), ("total_s", "graphs", "peak_mem_gib_batch64_3cam")),
     "batch_invariance": Table(("config",), ("initial_noise_equal", "actions_max_abs_diff", "log_prob_max_abs_diff")),
-    "cuda_tests": Table((), ("returncode", "summary")),
+    "gpu_suite.cuda_tests": Table((), ("returncode", "summary")),
     "cli": Table(("measure",), ("results.help_s_p50", "results.cached_call_s_p50", "results.wall_s")),
     "gpu_suite": Table(("section",), ("status", "seconds")),
     "expert_attention": Table(("case", "batch"), ("keys", "sdpa_us", "gemm_us")),
@@ -47,8 +49,6 @@ TABLES: dict[str, Table] = {
         ("site", "case", "env_batch", "backend", "splits", "block_n"),
         ("status", "kernel", "max_rel_err", "us_per_call", "timing"),
     ),
-    "skinny_gemm": Table(("gemm", "m", "backend", "block_n", "block_k", "num_warps"),
-                         ("us_per_call", "weight_gb_per_s", "max_rel_err", "status")),
     "profile": Table(
         ("case", "batch", "stage", "mode"), ("wall_ms", "kernel_ms", "kernels_per_call", "device_busy_ms", "lead_ms")
     ),
@@ -57,18 +57,11 @@ TABLES: dict[str, Table] = {
         ("site", "case", "env_batch", "variant", "block_m", "block_n", "num_stages"),
         ("us_per_call", "tflops", "routed", "max_rel_err", "status"),
     ),
-    "geglu_variants": Table(
-        ("case", "variant", "num_stages", "gelu"), ("us_per_call", "tflops", "max_rel_err", "status")
-    ),
-    "compile_sm90": Table(
-        ("kernel", "num_stages", "gelu", "k"),
-        ("shared_bytes", "registers_named", "spill_instructions", "wgmma", "epilogue_instructions", "status"),
-    ),
     "expert_kernels": Table(
         ("case", "batch", "fused_kernels"),
         ("kernels_per_layer_step", "prefix_kernels_per_layer", "denoise_kernels_per_step_outside_layers"),
     ),
-    "fused_kernels_check": Table(("case", "batch"), ("chains_max_abs_diff", "chains_max_abs", "graph_equals_eager")),
+    "expert_kernels.check": Table(("case", "batch"), ("chains_max_abs_diff", "chains_max_abs", "graph_equals_eager")),
     "processor": Table(("device", "config.resize_mode", "batch"), ("p50_ms", "p90_ms", "samples_per_s")),
     "wrapper_overhead": Table(
         ("config.model", "config.cameras", "batch"),
@@ -87,11 +80,11 @@ TABLES: dict[str, Table] = {
         ("speedup.G2_over_G1", "speedup.G2_prefetch_over_G1", "speedup.G2_prefetch_env1_over_G1"),
     ),
     "weight_sync": Table(("config", "subset", "case"), ("p50_ms", "p90_ms", "ratio", "GB_per_s")),
-    "weight_sync_phases": Table(
+    "weight_sync.phases": Table(
         ("config", "expected"), ("begin_ms", "update_ms", "finish_ms", "sync_after_ms", "total_ms")
     ),
-    "weight_sync_profile": Table(("config", "source", "subset"), ("wall_ms_per_sync", "gpu_busy_ms_per_sync")),
-    "weight_sync_host_overhead": Table(("label",), ("p50_ms_after", "p90_ms_after")),
+    "weight_sync.profile": Table(("config", "source", "subset"), ("wall_ms_per_sync", "gpu_busy_ms_per_sync")),
+    "weight_sync.host_overhead": Table(("label",), ("p50_ms_after", "p90_ms_after")),
     "weight_broadcast": Table(
         ("config", "bucket_bytes", "high_priority"),
         ("broadcast_weights_p50_ms", "raw_broadcast_p50_ms", "ratio_to_raw"),
@@ -103,23 +96,26 @@ TABLES: dict[str, Table] = {
     "lerobot_baseline": Table(("case", "batch"), ("p50_ms", "samples_per_s", "peak_mem_gib", "error")),
     "ppo_example": Table(("case",), ("iteration", "sps", "time_rollout", "time_train", "time_sync", "approx_kl")),
     "ppo_curves": Table(("case", "seed"), ("iteration", "success_rate", "final_stochastic", "final_deterministic")),
-    "ppo_update": Table(("trainer", "setting", "minibatch"), ("samples_per_s", "minibatch_ms_p50", "peak_mem_gib",
+    "ppo.update": Table(("trainer", "setting", "minibatch"), ("samples_per_s", "minibatch_ms_p50", "peak_mem_gib",
                                                              "kernels_per_minibatch")),
     "update0_ratio": Table(("trainer", "setting", "batch", "check"),
                            ("mean_abs_log_ratio", "max_abs_log_ratio", "clip_fraction", "approx_kl")),
-    "act_public": Table(("setting", "batch"), ("samples_per_s", "p50_ms", "ratio_to_64", "bucket")),
-    "ppo_iteration": Table(
+    "ppo.act_public": Table(("setting", "batch"), ("samples_per_s", "p50_ms", "ratio_to_64", "bucket")),
+    "ppo.iteration": Table(
         ("config", "env", "flags", "concurrent_runs", "seed"),
         ("iteration_s_p50", "rollout_s_p50", "update_s_p50", "sync_s_p50", "final_success_deterministic",
          "max_abs_diff_non_time_columns"),
     ),
-    "ppo_seeds": Table(("config", "flags", "iterations", "seeds"),
+    "ppo.seeds": Table(("config", "flags", "iterations", "seeds"),
                        ("mean_deterministic", "final_success_deterministic", "mean_stochastic", "episodes_each",
                         "concurrent_runs", "failed_seeds")),
     "ppo_health": Table(("config", "env", "action_chunk", "lr", "logprob_reduction", "flags", "seed"),
                         ("approx_kl_mean", "approx_kl_chunk_mean", "clipfrac_mean", "explained_variance", "healthy")),
 }
-"""Case and shown fields per benchmark (add a line with a new benchmark)."""
+"""Case and shown fields per benchmark, or per ``"<bench>.<kind>"`` (add a line with a new benchmark)."""
+
+BENCHES = frozenset(name.split(".")[0] for name in TABLES)
+"""The benchmarks ``results/`` may hold a JSONL of."""
 
 ENV_FIELDS = ("bench", "gpu", "gpu_count", "torch", "commit", "date", "host", "torch_threads")
 
@@ -189,16 +185,26 @@ def render(results: Path = RESULTS) -> str:
         rows = read_rows(path)
         if not rows:
             continue
-        bench = path.stem
-        table = table_for(bench, rows)
-        header = ["gpu", *table.case, *table.metrics, "commit"]
-        lines += ["", f"## {bench} (`{path.name}`, {len(rows)} rows)", "", "| " + " | ".join(header) + " |",
-                  "|" + "---|" * len(header)]  # fmt: skip
-        for row in latest(rows, table):
-            values = [row.get("gpu"), *(field(row, n) for n in (*table.case, *table.metrics))]
-            values.append(str(row.get("commit", ""))[:7])
-            lines.append("| " + " | ".join(cell(v) for v in values) + " |")
+        lines += ["", f"## {path.stem} (`{path.name}`, {len(rows)} rows)"]
+        kinds = list(dict.fromkeys(row.get("kind") for row in rows))  # in the order they first appear
+        for kind in kinds:
+            part = [row for row in rows if row.get("kind") == kind]
+            name = path.stem if kind is None else f"{path.stem}.{kind}"
+            if len(kinds) > 1:
+                lines += ["", f"### {name} ({len(part)} rows)"]
+            lines += _table(table_for(name, part), part)
     return "\n".join(lines) + "\n"
+
+
+def _table(table: Table, rows: list[dict[str, Any]]) -> list[str]:
+    """The markdown lines of one table: the latest row of each case."""
+    header = ["gpu", *table.case, *table.metrics, "commit"]
+    lines = ["", "| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
+    for row in latest(rows, table):
+        values = [row.get("gpu"), *(field(row, n) for n in (*table.case, *table.metrics))]
+        values.append(str(row.get("commit", ""))[:7])
+        lines.append("| " + " | ".join(cell(v) for v in values) + " |")
+    return lines
 
 
 def merge(source: Path, results: Path = RESULTS) -> list[str]:

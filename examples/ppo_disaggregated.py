@@ -4,7 +4,7 @@ Ranks 0..T-1 train (`--trainer-ranks T`), ranks T..T+R-1 run N envs each with a 
 
 1. every rollout rank collects T_steps x N samples, computes GAE with its own critic values and sends the batch
    (`RolloutBatch` with the kept prefix K/V, advantages, returns, episode statistics) to its trainer
-   (`phyai_gym.rollout_transport`: point-to-point tensors, no pickle); rollout rank T + i feeds trainer i % T;
+   (`phyai_gym.train.rollout_transport`: point-to-point tensors, no pickle); rollout rank T + i feeds trainer i % T;
 2. each trainer runs the PPO epochs over the batches it received (T > 1: gradients averaged over the trainers);
 3. trainer 0 broadcasts its trainable weights to every rank with `broadcast_weights` (one all-reduce vote):
    every rank commits the same version, or every rank aborts and keeps its weights.
@@ -39,12 +39,12 @@ import torch
 import torch.distributed as dist
 
 from phyai_gym.dataclass_cli import parse_dataclass
-from phyai_gym.distributed import average_gradients_
 from phyai_gym.make import make_env, make_policy
-from phyai_gym.ppo_math import gae, ppo_loss
-from phyai_gym.rollout_transport import recv_rollout, send_rollout
 from phyai_gym.threads import configure_threads
-from policies.master_weights import MasterWeights
+from phyai_gym.train.distributed import average_gradients_
+from phyai_gym.train.master_weights import MasterWeights
+from phyai_gym.train.ppo_math import gae, ppo_loss
+from phyai_gym.train.rollout_transport import recv_rollout, send_rollout
 from policies.pi05.batch import RolloutBatch
 from policies.pi05.broadcast import broadcast_weights
 from policies.pi05.policy import Pi05Policy, RolloutConfig

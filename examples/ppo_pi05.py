@@ -27,10 +27,10 @@ and checkpoints in LeRobot's layout (``DIR/checkpoints/<iteration>/pretrained_mo
     python examples/ppo_pi05.py --resume runs/a --total-iterations 40            # continue it to 40
 
 The curve is written as it goes (``--csv``, one row flushed per iteration) and plotted next to it (same name,
-``.png``) at the end and on Ctrl-C; `phyai_gym.curves` does both. A rerun with the same ``--csv`` starts from
+``.png``) at the end and on Ctrl-C; `phyai_gym.train.curves` does both. A rerun with the same ``--csv`` starts from
 iteration 1 in a fresh file and keeps the earlier one as ``<stem>.<k>.csv`` (nothing lost, nothing duplicated).
 
-Data parallel under torchrun (`phyai_gym.distributed`; NCCL on GPUs, gloo on the CPU): each of G ranks owns N
+Data parallel under torchrun (`phyai_gym.train.distributed`; NCCL on GPUs, gloo on the CPU): each of G ranks owns N
 envs -- rank r's are envs r*N..(r+1)*N-1 of one run with G*N envs (the same env seeds and policy noise streams)
 -- its rollout policy and its trainer copy. Every minibatch, one all-reduce of sums gives the global approx-KL,
 clip fraction and advantage mean/std, and one all-reduce averages the float32 master gradients, so every rank
@@ -53,14 +53,14 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from phyai_gym.curves import CurveLog
 from phyai_gym.dataclass_cli import parse_dataclass
-from phyai_gym.distributed import GradientMean, ProcessGroup
 from phyai_gym.make import make_env, make_policy
-from phyai_gym.ppo_math import LOGPROB_REDUCTIONS, RewardNormalizer, log_ratio
 from phyai_gym.threads import configure_threads
-from phyai_gym.training_state import TrainingState, latest_checkpoint
-from policies.master_weights import MasterWeights
+from phyai_gym.train.curves import CurveLog
+from phyai_gym.train.distributed import GradientMean, ProcessGroup
+from phyai_gym.train.master_weights import MasterWeights
+from phyai_gym.train.ppo_math import LOGPROB_REDUCTIONS, RewardNormalizer, clipped_losses, gae, log_ratio, ratio_stats
+from phyai_gym.train.training_state import TrainingState, latest_checkpoint
 from policies.pi05.batch import RolloutBatch
 from policies.pi05.policy import RolloutConfig
 from wrappers import PolicyVectorEnv
@@ -162,7 +162,7 @@ class Args:
     tensorboard: bool = False
     """also log every row to TensorBoard, cleanrl's tags (in <run-dir>/tensorboard, else runs/<csv stem> next to
     the CSV); needs the tensorboard package (pip install tensorboard)"""
-    # Run folder: checkpoints and resume (phyai_gym.training_state)
+    # Run folder: checkpoints and resume (phyai_gym.train.training_state)
     run_dir: str | None = None
     """a folder for the run: args.json, curve.csv and its plot (instead of --csv), checkpoints/ in LeRobot's layout
     (each checkpoints/<iteration>/pretrained_model loads with make_policy and phyai-gym eval --checkpoint), and
@@ -440,15 +440,8 @@ def _train(args: Args, curves: CurveLog, group: ProcessGroup | None, resume_from
                     successes += _numpy(infos["episode"]["success_once"])[ended].tolist()
             next_value = policy.value(obs).to(device)  # V(s_T) for the unfinished envs
 
-            # ---- GAE over chunk steps (explicit loop) ----------------------------------------------------
-            advantages = torch.zeros_like(rewards)
-            last_gae = torch.zeros(N, device=device)
-            for t in reversed(range(T)):
-                next_values = next_value if t == T - 1 else values[t + 1]
-                not_done = 1.0 - dones[t]
-                delta = rewards[t] + args.gamma * next_values * not_done - values[t]
-                advantages[t] = last_gae = delta + args.gamma * args.gae_lambda * not_done * last_gae
-            returns = advantages + values
+            # ---- GAE over chunk steps (the explicit backward loop: ppo_math.gae) -------------------------
+            advantages, returns = gae(rewards, values, dones, next_value, gamma=args.gamma, gae_lambda=args.gae_lambda)
         if device.type == "cuda":
             torch.cuda.synchronize(device)
         times["rollout"] += (t_rollout := time.perf_counter() - t0)
@@ -468,14 +461,12 @@ def _train(args: Args, curves: CurveLog, group: ProcessGroup | None, resume_from
             new = trainer.evaluate(b_samples.select(mb), cuda_graphs=args.trainer_cuda_graphs)
             # (B, G) log-ratios: G = 1 (sum, mean), C (action) or C x A (element) clipped ratios per sample
             mb_log_ratio = log_ratio(new.log_prob_elements, b_log_probs[mb], args.logprob_reduction)
-            ratio = mb_log_ratio.exp()
             mb_adv = b_advantages[mb]
             with torch.no_grad():
                 chunk_log_ratio = (new.log_prob_elements - b_log_probs[mb]).sum(dim=(1, 2))  # the whole chunk's
                 if group is None:
-                    approx_kl = ((ratio - 1) - mb_log_ratio).mean()  # http://joschu.net/blog/kl-approx.html
-                    chunk_kl = (chunk_log_ratio.exp() - 1 - chunk_log_ratio).mean()
-                    clipfrac = ((ratio - 1.0).abs() > args.clip_coef).float().mean()  # no host sync
+                    approx_kl, clipfrac = ratio_stats(mb_log_ratio, args.clip_coef)  # no host sync
+                    chunk_kl, _ = ratio_stats(chunk_log_ratio, args.clip_coef)
                     adv_mean, adv_std = mb_adv.mean(), mb_adv.std()
                 else:  # over every rank's share of the minibatch: one all-reduce of sums
                     what = f"the minibatch statistics all-reduce (iteration {iteration})"
@@ -490,20 +481,9 @@ def _train(args: Args, curves: CurveLog, group: ProcessGroup | None, resume_from
             if args.norm_adv:
                 mb_adv = (mb_adv - adv_mean) / (adv_std + 1e-8)
 
-            # clipped surrogate objective, every ratio with its sample's advantage
-            pg_loss1 = -mb_adv[:, None] * ratio
-            pg_loss2 = -mb_adv[:, None] * torch.clamp(ratio, 1 - args.clip_coef, 1 + args.clip_coef)
-            pg_loss = torch.max(pg_loss1, pg_loss2).mean()
-
-            # value loss
-            new_value = new.values
-            if args.clip_vloss:
-                v_loss_unclipped = (new_value - b_returns[mb]) ** 2
-                v_clipped = b_values[mb] + torch.clamp(new_value - b_values[mb], -args.clip_coef, args.clip_coef)
-                v_loss = 0.5 * torch.max(v_loss_unclipped, (v_clipped - b_returns[mb]) ** 2).mean()
-            else:
-                v_loss = 0.5 * ((new_value - b_returns[mb]) ** 2).mean()
-
+            # clipped surrogate (every ratio with its sample's advantage) and clipped value loss
+            pg_loss, v_loss = clipped_losses(mb_log_ratio, new.values, b_values[mb], mb_adv, b_returns[mb],
+                                             clip_coef=args.clip_coef, clip_vloss=args.clip_vloss)  # fmt: skip
             entropy_loss = new.entropy.mean()
             loss = pg_loss - args.ent_coef * entropy_loss + v_loss * args.vf_coef
 

@@ -1,6 +1,6 @@
 """Behaviour cloning (SFT) of PI0.5 from scripted demonstrations, with PI0.5's own flow-matching loss.
 
-Demonstrations are ManiSkill trajectory files (``trajectory.h5`` + ``.json``, `phyai_gym.demos` says why and gives
+Demonstrations are ManiSkill trajectory files (``trajectory.h5`` + ``.json``, `phyai_gym.train.demos` says why and gives
 the layout): recorded here by an env's scripted expert (``--record-episodes``), or written by any other source, e.g. a
 GPU simulator's pick-and-place planner, and passed as ``--demos``. Each step samples (episode, frame) pairs, takes
 the observation at frame t and the demonstrated chunk a[t : t+H] (padded and masked past the episode's end), and
@@ -21,13 +21,13 @@ from dataclasses import dataclass, field
 import numpy as np
 import torch
 
-from phyai_gym.curves import CurveLog
 from phyai_gym.dataclass_cli import parse_dataclass
-from phyai_gym.demos import EXPERTS, ChunkSampler, read_demos, record_demos, write_demos
 from phyai_gym.make import make_env, make_policy
 from phyai_gym.threads import configure_threads
+from phyai_gym.train.curves import CurveLog
+from phyai_gym.train.demos import EXPERTS, ChunkSampler, read_demos, record_demos, write_demos
+from phyai_gym.train.master_weights import MasterWeights
 from policies.base import RolloutConfig
-from policies.master_weights import MasterWeights
 from policies.pi05.flow_loss import flow_matching_loss, sample_time
 from wrappers import PolicyVectorEnv
 

@@ -47,7 +47,7 @@ class RunConfig:
     chunks: int | None = None
     """Policy calls (each runs C env steps); None: enough for every env to finish one episode."""
     action_chunk: int | None = None
-    """C, env steps per call (None: 5 for random policies, the checkpoint's setting otherwise)."""
+    """C, env steps for each policy call (None: 5 for random policies, the checkpoint's setting otherwise)."""
     seed: int = 0
     """Env i and its policy stream get seed + i; also the weight seed of a random policy."""
     checkpoint: str | None = None

@@ -38,7 +38,7 @@ class RolloutConfig:
         joint: joint SDE log-prob over all steps (always on for "noise").
         shared_j: one stochastic step for the whole batch, drawn from the first env's stream (RLinf).
         ignore_last: never choose the last step as the stochastic one.
-        action_chunk: C, env steps executed per call (the log-probs are cropped to it).
+        action_chunk: C, env steps executed for each call (the log-probs are cropped to it).
         trainable: "expert" (expert, action/time projections and heads; RLinf's default) or "all".
         keep_prefix: every `act()` output carries a copy of the prefix K/V (`PolicyOutput.prefix`), so that a PPO
             trainer whose prefix is frozen never recomputes it (about 10 MB per sample in the LIBERO RL setting).
@@ -74,7 +74,7 @@ class RolloutConfig:
         check_float(name + "noise_level", self.noise_level, 0.0, fix="the SDE noise level a, e.g. 0.5 (0: no noise)")
         for flag in ("joint", "shared_j", "ignore_last", "keep_prefix"):
             check_bool(name + flag, getattr(self, flag))
-        check_int(name + "action_chunk", self.action_chunk, 1, fix="C env steps per call, at most the model horizon H")
+        check_int(name + "action_chunk", self.action_chunk, 1, fix="C env steps a call, at most the model horizon H")
         check_choice(name + "trainable", self.trainable, TRAINABLE)
         check_int(name + "action_dim", self.action_dim, 0, fix="the env action dims A (0 in a config: the policy's)")
         check_choice(name + "value_source", self.value_source, ("", "prefix", "suffix", "none"))

@@ -51,6 +51,7 @@ SKIPPED = {
     'pip install -e ".[maniskill]"': NETWORK,
     'pip install -e ".[warp]"': NETWORK,
     'pip install --no-index --find-links wheelhouse "phyai-gym[warp]"': "needs a copied wheelhouse",
+    'pip install --no-index --find-links wheelhouse "phyai-gym[maniskill]"': "needs a copied wheelhouse",
     "bash .ci/install_sims.sh": f"{NETWORK}; runs as root (apt-get)",
     "apt-get install libosmesa6": f"{NETWORK}; runs as root",
     "source ~/.cache/phyai-gym/sim_env.sh": "exists only after .ci/install_sims.sh; changes the calling shell",
@@ -72,10 +73,11 @@ SKIPPED = {
     "examples/ppo_disaggregated.py --device cuda --trainer-ranks 2": f"{GPU}s on two nodes",
     "python -m benchmarks.gpu_suite --out DIR": GPU,
     "python -m benchmarks.soak_gpu": GPU,
-    "bash benchmarks/device_sims.sh REPO_ROOT": "prepares the GPU machine's carries (downloads wheels)",
     "python -m benchmarks.soak_cpu": "10,000 policy steps by design (minutes); a measurement, not a test",
     "python benchmarks/ppo_curves.py": "3 full PPO runs (minutes), a measurement rather than a test",
-    "python -m phyai_gym.curves CSV": "CSV is a placeholder; tests/phyai_gym/test_curves.py re-plots a curve",
+    "python -m phyai_gym.train.curves CSV": (
+        "CSV is a placeholder; tests/phyai_gym/train/test_curves.py re-plots a curve"
+    ),
     "bash .ci/run": f"{SUITE}, plus ruff",
     "python3 -m pytest -q": SUITE,
 }

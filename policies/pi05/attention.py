@@ -1,4 +1,4 @@
-"""Attention backends (eager reference, PyTorch SDPA, flash-attn, folded-MQA GEMMs) chosen per call site.
+"""Attention backends (eager reference, PyTorch SDPA, flash-attn, folded-MQA GEMMs) chosen for each call site.
 
 Every PI0.5 attention is either unmasked (SigLIP) or masked by *key validity* only (prefix: bidirectional over
 valid tokens; suffix: valid prefix keys plus all action tokens). So one signature serves all sites:
@@ -17,8 +17,9 @@ scores as the rollout's graphs do.
 The "triton" backend is the same folded-row attention as one Triton kernel (`attention_kernel`: an online
 softmax split over the keys, plus a combine kernel at small batches) in place of "gemm"'s five; it serves
 forward-only CUDA half calls with one K/V head at any size (it holds no score tensor) and hands every other call
-(autograd, several K/V heads) to "gemm". "triton_flash" runs it except for calls of at least `FLASH_MIN_SCORES`
-score elements where FlashAttention-4 runs (those go to "flash"): what the prefix LM uses.
+(autograd, several K/V heads) to "gemm". "triton_flash" runs it except for calls of at least the device's
+``flash_min_scores`` (`tuning.Thresholds`) score elements where FlashAttention-4 runs (those go to "flash"): what
+the prefix LM uses.
 
 The "flash" backend is FlashAttention-4 (`flash_attn.cute`, the CuTe-DSL kernels of the ``flash-attn-4``
 distribution; see `flash_attn_status`). Key validity reaches it as lengths: the keys are a set (RoPE is already in
@@ -49,7 +50,7 @@ from dataclasses import dataclass, field
 import torch
 import torch.nn.functional as F
 
-from . import attention_kernel, kernels
+from . import attention_kernel, kernels, tuning
 
 MASK_VALUE = -2.3819763e38
 """Additive mask value for disallowed keys (finite, as openpi and LeRobot)."""
@@ -154,18 +155,6 @@ def _sdpa(q, k, v, key_mask, scale):
     return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale, enable_gqa=groups > 1)
 
 
-GEMM_MAX_SCORES = 1 << 22
-"""Above this many score elements (B * Nh * T * S) the "gemm" backend hands over to SDPA: the float32 score
-tensor's memory traffic then outweighs the fused kernel's poor occupancy (the crossover is measured by
-`benchmarks/bench_expert_attention.py`)."""
-
-FLASH_MIN_SCORES = 1 << 20
-"""At or above this many score elements "flash_large" and "triton_flash" run FlashAttention-4 (where it runs), below it
-SDPA / the Triton kernel. Measured on the H200 with the keys read in place (`attention_variants.jsonl` at 8f2e6af):
-the prefix LM ran faster on FlashAttention-4 at every measured size (2.5 M score elements and up, e.g. (a) batch 1
-23.3 against 26.4 us, batch 16 184 against 326); the expert's action queries from about 1 M ((a) batch 4, 1.6 M: 24.2
-against 23.8 us; (b) batch 32, 1.5 M: 17.6 against 32.8; (a) batch 64: 52.7 against 91.6), while below it the Triton
-kernel's key splits win ((a) batch 1 and 2, 0.4 / 0.8 M: 11.6 / 16.0 against 23.9 / 22.5 us)."""
 
 
 @functools.cache
@@ -192,22 +181,42 @@ def _scores_fp32(q: torch.Tensor, kt: torch.Tensor, mask: torch.Tensor, scale: f
     return torch.baddbmm(mask.to(work), q.to(work), kt.to(work), alpha=scale)
 
 
-def gemm_serves(batch: int, heads: int, kv_heads: int, queries: int, keys: int, grad: bool = False) -> bool:
+def gemm_serves(
+    batch: int,
+    heads: int,
+    kv_heads: int,
+    queries: int,
+    keys: int,
+    grad: bool = False,
+    device: torch.device | None = None,
+) -> bool:
     """Whether the "gemm" backend computes a call of this shape itself (else it hands it to flash, else SDPA).
 
     Callers that prebuild an additive mask use it to build the mask in the dtype the serving path adds it in
     (float32 for "gemm", the compute dtype for SDPA), so no per-call conversion runs. Under autograd (`grad`) it
-    serves every size.
+    serves every size; otherwise up to `device`'s ``gemm_max_scores`` score elements (`tuning.Thresholds`).
     """
-    return kv_heads == 1 and (grad or batch * heads * queries * keys <= GEMM_MAX_SCORES)
+    return kv_heads == 1 and (grad or batch * heads * queries * keys <= tuning.thresholds(device).gemm_max_scores)
 
 
 def _gemm(q, k, v, key_mask, scale):
+    b, n, t, _ = q.shape
+    needs_grad = torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad)
+    if not gemm_serves(b, n, k.shape[1], t, k.shape[2], needs_grad, q.device):
+        return _sdpa(q, k, v, key_mask, scale)
+    return gemm_attention(q, k, v, key_mask, scale)
+
+
+def gemm_attention(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, key_mask: torch.Tensor | None, scale: float
+) -> torch.Tensor:
+    """The "gemm" backend's computation at any size (`attend` hands large calls to SDPA first; see `gemm_serves`).
+
+    One K/V head: q (B, Nh, T, hd), k and v (B, 1, S, hd), `key_mask` as `attend` takes it. Returns (B, Nh, T, hd).
+    """
     b, n, t, hd = q.shape
     s = k.shape[2]
     needs_grad = torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad)
-    if not gemm_serves(b, n, k.shape[1], t, s, needs_grad):
-        return _sdpa(q, k, v, key_mask, scale)
     # Rows are (token, head) when q is token-major in memory (the projection's layout), else (head, token); the
     # output keeps that layout, so the o-projection's reshape of a token-major result is free.
     token_major = q.stride(1) < q.stride(2)
@@ -380,19 +389,19 @@ def served_by(
     reported once it ran (`flash_probe_result`).
     """
     if backend == "triton_flash":
-        large = batch * heads * queries * keys >= FLASH_MIN_SCORES
+        large = batch * heads * queries * keys >= tuning.thresholds(device).flash_min_scores
         if large and flash_shape_status(device, dtype, heads, kv_heads, head_dim, grad) is None:
-            return f"{flash_kernel_name()} (triton_flash: at or above FLASH_MIN_SCORES)"
+            return f"{flash_kernel_name()} (triton_flash: at or above flash_min_scores)"
         backend = "triton"
     if backend == "triton":
         if triton_shape_status(device, dtype, kv_heads, head_dim, grad) is None:
             return "triton"
         backend = "gemm"
     if backend == "gemm":
-        served = gemm_serves(batch, heads, kv_heads, queries, keys, grad)
-        return "gemm" if served else "sdpa (gemm: above GEMM_MAX_SCORES or several K/V heads)"
-    if backend == "flash_large" and batch * heads * queries * keys < FLASH_MIN_SCORES:
-        return "sdpa (flash_large: below FLASH_MIN_SCORES)"
+        served = gemm_serves(batch, heads, kv_heads, queries, keys, grad, device)
+        return "gemm" if served else "sdpa (gemm: above gemm_max_scores or several K/V heads)"
+    if backend == "flash_large" and batch * heads * queries * keys < tuning.thresholds(device).flash_min_scores:
+        return "sdpa (flash_large: below flash_min_scores)"
     if backend in ("flash", "flash_large"):
         reason = flash_shape_status(device, dtype, heads, kv_heads, head_dim, grad)
         return f"sdpa (flash: {reason})" if reason else flash_kernel_name()
@@ -426,7 +435,7 @@ def attend(
     if backend == "flash":
         return _flash(q, k, v, key_mask, scale, key_lengths)
     if backend == "flash_large":
-        if _scores(q, k) >= FLASH_MIN_SCORES:
+        if _scores(q, k) >= tuning.thresholds(q.device).flash_min_scores:
             return _flash(q, k, v, key_mask, scale, key_lengths)
         return _sdpa(q, k, v, key_mask, scale)
     if backend == "gemm":
@@ -434,7 +443,7 @@ def attend(
     if backend == "triton":
         return _triton(q, k, v, key_mask, scale)
     if backend == "triton_flash":
-        if _scores(q, k) >= FLASH_MIN_SCORES and flash_serves(q, k, key_mask) is None:
+        if _scores(q, k) >= tuning.thresholds(q.device).flash_min_scores and flash_serves(q, k, key_mask) is None:
             return _flash_call(q, k, v, key_mask, scale, key_lengths)
         return _triton(q, k, v, key_mask, scale)
     return _eager(q, k, v, key_mask, scale)
@@ -444,12 +453,12 @@ def attend(
 class AttentionConfig:
     """Which backend each call site asks for: "auto" or one of `BACKENDS`.
 
-    "auto" follows the H200 measurements (`attention_backend.jsonl`, `attention_variants.jsonl`): for the prefix and
-    the expert on CUDA "triton_flash" where triton is installed (the Triton kernel, and FlashAttention-4 for calls
-    of at least `FLASH_MIN_SCORES` score elements where it runs: CUDA sm90/sm100, a half dtype, `flash_attn.cute`
-    importable; the expert's autograd calls go to "gemm"); without triton "flash_large" for the prefix (the same
-    hand-over, to SDPA below it) and "gemm" for the expert; SDPA for the vision tower (the Triton kernel ran its
-    16-head calls 2.9x slower: `attention_backend.jsonl` rows with ``tune`` at site "vision") and everywhere else. A
+    "auto" follows the H200 measurements (`attention_backend.jsonl`, `attention_variants.jsonl`): for the prefix and the
+    expert on CUDA "triton_flash" where triton is installed (the Triton kernel, and FlashAttention-4 for calls of at
+    least the device's ``flash_min_scores`` score elements where it runs: CUDA sm90/sm100, a half dtype,
+    `flash_attn.cute` importable; the expert's autograd calls go to "gemm"); without triton "flash_large" for the prefix
+    (the same hand-over, to SDPA below it) and "gemm" for the expert; SDPA for the vision tower (the Triton kernel ran
+    its 16-head calls 2.9x slower: `attention_backend.jsonl` rows with ``tune`` at site "vision") and everywhere else. A
     request that cannot be served falls back (flash -> sdpa, triton -> gemm -> sdpa) and the fallback is recorded in
     `AttentionPlan.reasons`; `AttentionPlan.flash` says which flash kernel runs, or why none does.
 

@@ -44,9 +44,9 @@ from .weight_sync import (
 DEFAULT_BUCKET_BYTES = 256 << 20
 """Payload bytes per broadcast (rounded up to 16); every rank holds at most two buckets at a time."""
 _MAGIC, _PROTOCOL = 0x5049_3035, 6  # "PI05", this layout
-_DTYPES = (torch.float32, torch.bfloat16, torch.float16, torch.float64, torch.int64, torch.int32, torch.int16,
-           torch.int8, torch.uint8, torch.bool)  # fmt: skip
-"""Wire dtype codes: the index in this tuple."""
+WIRE_DTYPES = (torch.float32, torch.bfloat16, torch.float16, torch.float64, torch.int64, torch.int32, torch.int16,
+               torch.int8, torch.uint8, torch.bool)  # fmt: skip
+"""The dtypes a manifest can name; a dtype's wire code is its index in this tuple."""
 
 
 @dataclass
@@ -171,7 +171,7 @@ class _Broadcast:
         if self.rank == self.src:
             try:
                 entries = _entries(source, expected)
-                body, name_bytes = _encode(entries)
+                body, name_bytes = encode_manifest([(e.name, e.shape, e.dtype) for e in entries])
             except Exception as err:  # tell the others before raising
                 source_error, entries = err, []
             fields = [_MAGIC, _PROTOCOL, int(source_error is not None), len(entries)]
@@ -187,11 +187,12 @@ class _Broadcast:
         if status:
             raise WeightSyncError(f"broadcast_weights: the source on rank {self.src} could not be read "
                                   f"({source_error or 'see its error'}); all keep their weights.") from source_error
-        size = 3 * n + dims + -(-name_bytes // 8)
+        size = manifest_words(n, dims, name_bytes)
         if size:
             wire = body.to(self.dev) if self.rank == self.src else torch.empty(size, dtype=torch.int64, device=self.dev)
             dist.broadcast(wire, self.src, group=self.group)
-            entries = entries if self.rank == self.src else _decode(wire.cpu(), n, dims, name_bytes)
+            if self.rank != self.src:
+                entries = [_Entry(*spec) for spec in decode_manifest(wire.cpu(), n, dims, name_bytes)]
         return entries, bucket, sent_version
 
     def open(self, expected: Any) -> None:
@@ -300,9 +301,9 @@ def _entries(source: WeightSource | None, expected: str | Sequence[str]) -> list
         ours = to_internal_name(name)
         if ours is None or (wanted is not None and ours not in wanted):
             continue
-        if not hasattr(value, "shape") or getattr(value, "dtype", None) not in _DTYPES:
+        if not hasattr(value, "shape") or getattr(value, "dtype", None) not in WIRE_DTYPES:
             raise WeightSyncError(f"broadcast_weights: {name!r} is a {type(value).__name__} of dtype "
-                                  f"{getattr(value, 'dtype', None)}; expected a tensor of one of {list(_DTYPES)}.")
+                                  f"{getattr(value, 'dtype', None)}; expected a tensor of one of {list(WIRE_DTYPES)}.")
         entries.append(_Entry(ours, tuple(int(s) for s in value.shape), value.dtype, value))
     order = {dt: i for i, dt in enumerate(dict.fromkeys(e.dtype for e in entries))}
     return sorted(entries, key=lambda e: order[e.dtype])  # stable: source order inside a region
@@ -321,24 +322,43 @@ def _regions(entries: list[_Entry]) -> list[list[int]]:
 
 
 
-def _encode(entries: list[_Entry]) -> tuple[torch.Tensor, int]:
-    """The manifest as int64 [dtype codes | ndims | name lengths | shape dims | names, zero-padded]; name bytes."""
-    names = [e.name.encode() for e in entries]
-    cols = [_DTYPES.index(e.dtype) for e in entries] + [len(e.shape) for e in entries] + [len(n) for n in names]
+TensorSpec = tuple[str, tuple[int, ...], torch.dtype]
+"""What a manifest says of one tensor: (name, shape, dtype)."""
+
+
+def encode_manifest(specs: Sequence[TensorSpec]) -> tuple[torch.Tensor, int]:
+    """The manifest of `specs` as one int64 tensor, and the byte count of the names.
+
+    Layout: [dtype codes | ndims | name lengths | shape dims | UTF-8 names, zero-padded]. With ``len(specs)`` and
+    the number of shape dims, the byte count is what `decode_manifest` needs.
+
+    Example:
+        >>> wire, name_bytes = encode_manifest([("w", (2, 3), torch.bfloat16)])
+        >>> decode_manifest(wire, 1, 2, name_bytes)
+        [('w', (2, 3), torch.bfloat16)]
+    """
+    names = [name.encode() for name, _, _ in specs]
+    cols = [WIRE_DTYPES.index(dtype) for _, _, dtype in specs] + [len(shape) for _, shape, _ in specs]
     blob = b"".join(names)
     padded = bytearray(blob.ljust(-(-len(blob) // 8) * 8, b"\0"))
     text = torch.frombuffer(padded, dtype=torch.int64) if padded else torch.zeros(0, dtype=torch.int64)
-    return torch.cat([torch.tensor(cols + [d for e in entries for d in e.shape], dtype=torch.int64), text]), len(blob)
+    dims = [d for _, shape, _ in specs for d in shape]
+    return torch.cat([torch.tensor(cols + [len(n) for n in names] + dims, dtype=torch.int64), text]), len(blob)
 
 
-def _decode(wire: torch.Tensor, n: int, dims: int, name_bytes: int) -> list[_Entry]:
+def manifest_words(n: int, dims: int, name_bytes: int) -> int:
+    """The int64 length of the manifest of `n` tensors with `dims` shape dims and `name_bytes` of names."""
+    return 3 * n + dims + -(-name_bytes // 8)
+
+
+def decode_manifest(wire: torch.Tensor, n: int, dims: int, name_bytes: int) -> list[TensorSpec]:
+    """The (name, shape, dtype) of each tensor of a CPU manifest `wire` (`encode_manifest`'s inverse)."""
     values, blob = wire[: 3 * n + dims].tolist(), wire[3 * n + dims :].numpy().tobytes()[:name_bytes]
-    entries, pos, name_pos = [], 3 * n, 0
+    specs, pos, name_pos = [], 3 * n, 0
     for code, ndim, length in zip(values[:n], values[n : 2 * n], values[2 * n : 3 * n]):
-        name = blob[name_pos : name_pos + length].decode()
-        entries.append(_Entry(name, tuple(values[pos : pos + ndim]), _DTYPES[code]))
+        specs.append((blob[name_pos : name_pos + length].decode(), tuple(values[pos : pos + ndim]), WIRE_DTYPES[code]))
         pos, name_pos = pos + ndim, name_pos + length
-    return entries
+    return specs
 
 
 def _comm_device(sync: WeightSync | None, group: Any, device: Any) -> torch.device:

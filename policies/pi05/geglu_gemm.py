@@ -17,8 +17,9 @@ Rounding: one rounding, of the product (the unfused path also rounds gate and up
 as close to a float32 model as the unfused path and not bitwise equal to it.
 
 Where it runs: CUDA sm90+ half tensors outside autograd, x (..., K) contiguous with K a multiple of 16, the stack
-contiguous, at least `GemmTiles.min_waves` output tiles an SM (`serves`); under ``TRITON_INTERPRET=1`` also CPU half
-tensors (the CPU tests). Elsewhere one GEMM over the stack and `kernels.geglu` compute the same formula.
+contiguous, at least `GemmTiles.min_waves` output tiles an SM (`serves`; by default a tuned value per GPU); under
+``TRITON_INTERPRET=1`` also CPU half tensors (the CPU tests). Elsewhere one GEMM over the stack and `kernels.geglu`
+compute the same formula.
 
 Example:
     >>> import torch
@@ -35,7 +36,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from . import kernels
+from . import kernels, tuning
 
 
 @dataclass(frozen=True)
@@ -55,11 +56,10 @@ class GemmTiles:
     group_m: int = 16
     num_warps: int = 8
     num_stages: int = 3
-    min_waves: int = 4
-    """The kernel serves calls of at least this many tiles a program (one program per SM). Below, one cuBLAS GEMM
-    over the stack and `kernels.geglu` are faster (`geglu_variants.jsonl` at 38b3eae: the expert's 32 tiles at batch
-    1 take 14.4 us against 8.0, its 3.2 tiles a program at batch 32 51.5 against 48.3, its 6.1 at batch 64 89.0
-    against 100.0)."""
+    min_waves: int | None = None
+    """The kernel serves calls of at least this many tiles a program (one program per SM); below, one cuBLAS GEMM
+    over the stack and `kernels.geglu` are faster. None: the device's tuned ``geglu_min_waves``
+    (`tuning.Thresholds`, from ``data/tuned_thresholds.json``)."""
 
 
 DEFAULT_TILES = GemmTiles()
@@ -198,7 +198,8 @@ def serves(x: torch.Tensor, stack: torch.Tensor, tiles: GemmTiles = DEFAULT_TILE
         return False
     rows = x.numel() // k
     tile_count = -(-rows // tiles.block_m) * (stack.shape[0] // (2 * tiles.block_n))
-    return tile_count >= tiles.min_waves * _programs(x)
+    min_waves = tuning.thresholds(x.device).geglu_min_waves if tiles.min_waves is None else tiles.min_waves
+    return tile_count >= min_waves * _programs(x)
 
 
 def geglu_linear(x: torch.Tensor, stack: torch.Tensor, tiles: GemmTiles = DEFAULT_TILES) -> torch.Tensor:

@@ -464,7 +464,8 @@ class Pi05Model(nn.Module):
             else:
                 valid = torch.cat([cache.key_mask, torch.ones(b, h, dtype=torch.bool, device=x_t.device)], dim=1)
             # "gemm" and "triton" add the mask to float32 scores; SDPA and flash take it in the compute dtype
-            gemm = gemm_serves(b, cfg.num_heads, cfg.num_kv_heads, h, valid.shape[1], torch.is_grad_enabled())
+            gemm = gemm_serves(b, cfg.num_heads, cfg.num_kv_heads, h, valid.shape[1], torch.is_grad_enabled(),
+                               valid.device)
             cache.suffix_mask = additive_mask(valid, mask_dtype(self.plan.expert, x.dtype, gemm))
         cos, sin = cache.suffix_rope
         key_mask = cache.suffix_mask

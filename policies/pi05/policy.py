@@ -219,7 +219,7 @@ class Pi05Policy:
         check_bool("deterministic", deterministic)  # "no" would silently mean True
         chunk = r.action_chunk if action_chunk is None else action_chunk
         chunk = check_int("action_chunk", chunk, 1, self.action_horizon,
-                          fix=f"pass 1..{self.action_horizon} (the model horizon H) env steps per call")  # fmt: skip
+                          fix=f"pass 1..{self.action_horizon} (the model horizon H) env steps a call")  # fmt: skip
         return replace(r, method="ode" if deterministic else r.method, action_chunk=chunk, action_dim=self.action_dim)
 
     @property

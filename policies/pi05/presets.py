@@ -49,7 +49,7 @@ class Preset:
     prompt_format: str
     """``"state"``, ``"lerobot_no_state"`` or ``"text"`` (see `policies.pi05.prompt`)."""
     action_horizon: int
-    """H, actions the model produces per call."""
+    """H, actions the model produces in one call."""
     action_chunk: int
     """C, actions executed per policy call by default."""
     num_steps: int

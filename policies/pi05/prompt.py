@@ -176,7 +176,7 @@ class PromptBuilder:
         if not self.device_state_tokens:
             warnings.warn(
                 f"PromptBuilder: tokenizer {self.tokenizer.name!r} does not tokenise state bins independently "
-                "of their neighbours; building 'state' prompts on the host (one device-to-host copy per call).",
+                "of their neighbours; building 'state' prompts on the host (one device-to-host copy in each call).",
                 stacklevel=2,
             )
 

@@ -112,7 +112,7 @@ class ControlInputs:
     def from_options(
         cls, opts: RolloutConfig, horizon: int, action_dim: int, chunk_only_value: bool, device: torch.device
     ) -> ControlInputs:
-        """Host-side construction (used once per call to fill static buffers, or directly when eager)."""
+        """Host-side construction (used once a call to fill static buffers, or directly when eager)."""
         scalar = lambda value: torch.tensor(float(value), device=device)
         joint_w = 1.0 / (opts.num_steps + 1)
         crop = torch.zeros(horizon, action_dim, device=device)

@@ -435,7 +435,7 @@ class Pi05Scheduler:
                 buf.switches[name].copy_(value)
 
     def _switches(self, opts: RolloutConfig) -> dict[str, torch.Tensor]:
-        """Device tensors of the per-call switches, built once per distinct options (no host copy per call)."""
+        """Device tensors of the per-call switches, built once per distinct options (no host copy in each call)."""
         cached = self._switch_cache.get(opts)
         if cached is None:
             mcfg = self.model.config

@@ -1,8 +1,8 @@
 """benchmarks/bench_ppo.py's `bench_seeds`: several seeds of the PPO example, one spawned process each, two at a time.
 
 The tiny config on the CPU (the GPU run is `--config base --device cuda`); what is checked is the bookkeeping:
-one ppo_iteration row per seed, written by the parent alone, an error row for a seed whose run fails (the others
-keep theirs), and a ppo_seeds row whose means are those of the seeds that finished.
+one ``iteration`` row per seed (in ppo.jsonl), written by the parent alone, an error row for a seed whose run
+fails (the others keep theirs), and a ``seeds`` row whose means are those of the seeds that finished.
 """
 
 import inspect
@@ -19,17 +19,19 @@ def test_bench_seeds_runs_each_seed_and_writes_their_mean(tmp_path):
     # seed -1 fails inside its child (np.random.seed refuses it) after starting like the others
     result = bench_ppo.bench_seeds(tmp_path, seeds=(3, 5, -1), flags=FLAGS, iterations=1, config="tiny", device="cpu")
 
-    rows = summary.read_rows(tmp_path / "ppo_iteration.jsonl")
+    written = summary.read_rows(tmp_path / "ppo.jsonl")
+    assert {r["bench"] for r in written} == {"ppo"}
+    rows = [r for r in written if r["kind"] == "iteration"]
     assert sorted(r["seed"] for r in rows) == [3, 5]
     for row in rows:
-        assert row["bench"] == "ppo_iteration" and row["config"] == "tiny" and row["iterations"] == 1
+        assert row["config"] == "tiny" and row["iterations"] == 1
         assert row["concurrent_runs"] == 2 and row["flags"] == " ".join(FLAGS) and row["eval_episodes"] == 8
         assert 0.0 <= row["final_success_deterministic"] <= 1.0
         assert (tmp_path / f"ppo_seed{row['seed']}.csv").exists()  # each run its own curve
-    (error,) = summary.read_rows(tmp_path / "ppo_iteration_error.jsonl")
+    (error,) = [r for r in written if r["kind"] == "iteration_error"]
     assert error["seed"] == -1 and "ValueError" in error["error"] and error["concurrent_runs"] == 2
 
-    (seeds_row,) = summary.read_rows(tmp_path / "ppo_seeds.jsonl")
+    (seeds_row,) = [r for r in written if r["kind"] == "seeds"]
     by_seed = {r["seed"]: r for r in rows}
     for mode in ("deterministic", "stochastic"):
         values = [by_seed[s][f"final_success_{mode}"] for s in (3, 5)]

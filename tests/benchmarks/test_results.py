@@ -10,7 +10,7 @@ def test_results_folder_holds_only_jsonl_plots_and_the_summary():
     files = sorted(p.name for p in RESULTS.iterdir())
     assert [f for f in files if not f.endswith((".jsonl", ".png")) and f != "SUMMARY.md"] == []
     # one JSONL per benchmark the summary knows: no per-run files, no stray benchmark names
-    assert [f for f in files if f.endswith(".jsonl") and f[: -len(".jsonl")] not in summary.TABLES] == []
+    assert [f for f in files if f.endswith(".jsonl") and f[: -len(".jsonl")] not in summary.BENCHES] == []
 
 
 def test_every_row_names_its_benchmark_commit_and_gpu():

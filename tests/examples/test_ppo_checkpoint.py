@@ -19,7 +19,7 @@ TINY = dict(num_envs=4, num_steps=2, eval_episodes=0, quiet=True)
 @pytest.fixture(autouse=True)
 def no_plots(monkeypatch):
     """The curve's PNG is test_curves.py's business; rendering it costs seconds per run here."""
-    monkeypatch.setattr("phyai_gym.curves.plot_curves", lambda *args, **kwargs: None)
+    monkeypatch.setattr("phyai_gym.train.curves.plot_curves", lambda *args, **kwargs: None)
 
 
 def _curve(path) -> list[dict[str, str]]:

@@ -94,7 +94,7 @@ def _other_slots(c: Any) -> Any:
 
 def _evaluate_header(c: Any) -> Any:
     out = c.policy.act(make_obs(2), env_ids=[30, 31])
-    c.policy.streams.counters[[30, 31]] -= 1  # undo the helper call: the probe compares the whole table
+    c.policy.streams.counters[[30, 31]] -= 1  # undo the helper's call: the probe compares the whole table
     return c.policy.evaluate(dataclasses.replace(out, header=dataclasses.replace(out.header, num_steps=7)))
 
 

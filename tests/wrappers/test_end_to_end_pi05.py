@@ -9,7 +9,7 @@ The orientation tests check the pixels the MODEL receives (`ModelInputs.images`,
 
 Cost on 2 idle cores: one 2-env LIBERO vector env (~15-20 s to build and settle, shared by the module), one
 1-env ManiSkill CPU env (~10 s, mostly imports), two 2-env MuJoCo Pusher envs (~1 s); the tiny policy takes
-~0.1 s per call. Each simulator's tests skip only when that simulator is not installed.
+~0.1 s a call. Each simulator's tests skip only when that simulator is not installed.
 """
 
 from __future__ import annotations

@@ -3,10 +3,12 @@
 import pytest
 import torch
 
-from policies.pi05 import attention, kernels
-from policies.pi05.attention import GEMM_MAX_SCORES, AttentionConfig, additive_mask, attend
+from policies.pi05 import attention, kernels, tuning
+from policies.pi05.attention import AttentionConfig, additive_mask, attend
 from policies.pi05.config import Pi05Config
 from policies.pi05.model import Pi05Model, randomize_parameters_
+
+GEMM_MAX_SCORES = tuning.thresholds("cpu").gemm_max_scores
 
 
 def _qkv(b=3, n=4, t=5, s=11, hd=8, nkv=1, token_major=False, dtype=torch.float32, seed=0):

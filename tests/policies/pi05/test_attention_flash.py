@@ -8,7 +8,7 @@ import functools
 import pytest
 import torch
 
-from policies.pi05 import attention, kernels
+from policies.pi05 import attention, kernels, tuning
 from policies.pi05.attention import AttentionConfig, attend, served_by
 
 
@@ -63,14 +63,14 @@ def test_triton_hand_over_is_reported():
     assert served_by("triton", cpu, torch.bfloat16, 1, 8, 1, 50, 1018, 256) == "gemm"  # CPU: the gemm path
     assert served_by("triton", cuda, torch.bfloat16, 1, 8, 1, 50, 1018, 256, grad=True) == "gemm"  # autograd
     assert served_by("triton", cuda, torch.bfloat16, 64, 8, 2, 50, 1018, 256).startswith("sdpa (gemm:")
-    large_call = "triton" if kernels.HAS_TRITON else "sdpa (gemm: above GEMM_MAX_SCORES or several K/V heads)"
+    large_call = "triton" if kernels.HAS_TRITON else "sdpa (gemm: above gemm_max_scores or several K/V heads)"
     assert served_by("triton", cuda, torch.bfloat16, 64, 8, 1, 50, 1018, 256) == large_call  # the kernel: any size
-    large = attention.FLASH_MIN_SCORES
+    large = tuning.thresholds(cuda).flash_min_scores
     assert served_by("triton_flash", cuda, torch.bfloat16, 1, 8, 1, 50, 1018, 256) == expected  # (a) batch 1 expert
     flash = attention.flash_device_status(cuda) is None
     below = served_by("triton", cuda, torch.bfloat16, large, 1, 1, 1, 1, 256)  # where it goes without flash
     assert served_by("triton_flash", cuda, torch.bfloat16, large, 1, 1, 1, 1, 256) == (
-        f"{attention.flash_kernel_name()} (triton_flash: at or above FLASH_MIN_SCORES)" if flash else below
+        f"{attention.flash_kernel_name()} (triton_flash: at or above flash_min_scores)" if flash else below
     )
     if kernels.HAS_TRITON:
         assert attention.triton_shape_status(cuda, torch.float32, 1, 256) == (
@@ -79,9 +79,10 @@ def test_triton_hand_over_is_reported():
 
 
 def test_flash_large_keeps_small_calls_on_sdpa():
-    cpu, big = torch.device("cpu"), attention.FLASH_MIN_SCORES
+    cpu = torch.device("cpu")
+    big = tuning.thresholds(cpu).flash_min_scores
     assert served_by("flash_large", cpu, torch.bfloat16, 1, 8, 1, 50, 1018, 256) == (
-        "sdpa (flash_large: below FLASH_MIN_SCORES)"
+        "sdpa (flash_large: below flash_min_scores)"
     )
     large = served_by("flash_large", cpu, torch.bfloat16, big, 1, 1, 1, 1, 256)
     assert large == "sdpa (flash: device is cpu, not CUDA)"

@@ -1,5 +1,5 @@
 """FlashAttention-4 ("flash") at the PI0.5 call sites on a GPU: against the float32 reference, in a CUDA graph, and
-its fallback when it cannot run (run by benchmarks/gpu_suite.py and benchmarks/device_flash.sh; skipped on CPU)."""
+its fallback when it cannot run (run by benchmarks/gpu_suite.py; skipped on CPU)."""
 
 import pytest
 import torch

@@ -12,7 +12,7 @@ import pytest
 import torch
 from helpers import SLOTS, StandInProcessor, expert_side, make_inputs, make_policy, perturb_
 
-from policies.master_weights import MasterWeights
+from phyai_gym.train.master_weights import MasterWeights
 from policies.pi05.batch import RolloutBatch
 from policies.pi05.policy import Pi05Policy
 

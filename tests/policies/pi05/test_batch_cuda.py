@@ -7,7 +7,7 @@ import pytest
 import torch
 from test_scheduler_cuda import _inputs, _model, _policy
 
-from policies.master_weights import MasterWeights
+from phyai_gym.train.master_weights import MasterWeights
 from policies.pi05.batch import RolloutBatch
 
 pytestmark = [

@@ -1,8 +1,8 @@
 """ManiSkill3's GPU simulator (PhysX on CUDA, SAPIEN rendering on the GPU) under the freeze rules of DESIGN C2.
 
-Run on a CUDA machine with mani_skill + sapien installed (benchmarks/run_maniskill_on_device.sh does it on the
-H200). Skipped without CUDA or without ManiSkill. Observations returned by the GPU renderer may be views of
-SAPIEN's render buffer, which the next render overwrites, so the tests clone what they compare across steps.
+Run on a CUDA machine with mani_skill + sapien installed (`pip install "phyai-gym[maniskill]"`). Skipped without
+CUDA or without ManiSkill. Observations returned by the GPU renderer may be views of SAPIEN's render buffer,
+which the next render overwrites, so the tests clone what they compare across steps.
 """
 
 from __future__ import annotations
@@ -34,7 +34,7 @@ def _physx_gpu_library() -> Path | None:
 pytestmark = [
     pytest.mark.cuda,
     pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU (ManiSkill's GPU simulator)"),
-    pytest.mark.skipif(not HAVE_MANISKILL, reason="ManiSkill3 is not installed (benchmarks/device_sims.sh)"),
+    pytest.mark.skipif(not HAVE_MANISKILL, reason="ManiSkill3 is not installed (pip install \"phyai-gym[maniskill]\")"),
     pytest.mark.skipif(
         torch.cuda.is_available() and _physx_gpu_library() is None,
         reason="SAPIEN's PhysX GPU library is missing (~/.sapien/physx/<version>/libPhysXGpu_64.so; SAPIEN downloads "

@@ -1,7 +1,7 @@
 """PPO's formulas as functions: GAE over a (T, N) rollout, the log-ratio at a chosen granularity, the clipped loss.
 
-`examples/ppo_disaggregated.py` computes GAE on its rollout ranks and the loss on its trainer ranks, so the math
-lives here rather than inline in one loop.
+Both PPO examples use them (`examples/ppo_disaggregated.py` computes GAE on its rollout ranks and the loss on its
+trainer ranks), so the math is written once.
 
 Log-prob granularity (RLinf's ``logprob_type``; docs/rl.md works through the numbers). A PI0.5 sample's log-prob
 is a sum over C x A Gaussian elements (C executed actions of A dims; each element itself the mean over the K+1
@@ -95,6 +95,63 @@ def log_ratio(new_elements: torch.Tensor, old_elements: torch.Tensor, reduction:
     )
 
 
+def ratio_stats(log_ratio: torch.Tensor, clip_coef: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """(approx-KL, clip fraction) of a minibatch's log-ratios, (B,) or (B, G), as detached means (no host sync).
+
+    The approx-KL is joschu's k3 estimator, mean of (r - 1) - log r; the clip fraction is the share of ratios r
+    outside [1 - clip_coef, 1 + clip_coef].
+
+    Example:
+        >>> kl, frac = ratio_stats(torch.tensor([0.0, 0.5]), clip_coef=0.2)
+        >>> round(kl.item(), 4), frac.item()
+        (0.0744, 0.5)
+    """
+    with torch.no_grad():
+        ratio = log_ratio.exp()
+        approx_kl = ((ratio - 1) - log_ratio).mean()  # http://joschu.net/blog/kl-approx.html
+        clipfrac = ((ratio - 1.0).abs() > clip_coef).float().mean()
+    return approx_kl, clipfrac
+
+
+def clipped_losses(
+    log_ratio: torch.Tensor,
+    new_values: torch.Tensor,
+    old_values: torch.Tensor,
+    advantages: torch.Tensor,
+    returns: torch.Tensor,
+    *,
+    clip_coef: float,
+    clip_vloss: bool = True,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """(clipped surrogate loss, value loss) of one minibatch, both differentiable.
+
+    Args:
+        log_ratio: (B,) or (B, G) log pi_new - log pi_old; each of a sample's G ratios is clipped with its advantage.
+        new_values: (B,) the critic now.
+        old_values: (B,) the critic at rollout time (the value clip is centred on it).
+        advantages: (B,) advantages, already normalised if they are to be.
+        returns: (B,) value targets.
+        clip_coef: the ratio clip (1 +- clip_coef) and the value clip (+- clip_coef).
+        clip_vloss: clip the value loss around `old_values`.
+
+    Example:
+        >>> pg, v = clipped_losses(torch.zeros(2), torch.ones(2), torch.zeros(2), torch.ones(2), torch.zeros(2),
+        ...                        clip_coef=0.2)
+        >>> pg.item(), v.item()
+        (-1.0, 0.5)
+    """
+    ratio = log_ratio.exp()
+    if ratio.dim() == 2:  # G ratios per sample share its advantage
+        advantages = advantages[:, None]
+    pg_loss = torch.max(-advantages * ratio, -advantages * torch.clamp(ratio, 1 - clip_coef, 1 + clip_coef)).mean()
+    if clip_vloss:
+        v_clipped = old_values + torch.clamp(new_values - old_values, -clip_coef, clip_coef)
+        v_loss = 0.5 * torch.max((new_values - returns) ** 2, (v_clipped - returns) ** 2).mean()
+    else:
+        v_loss = 0.5 * ((new_values - returns) ** 2).mean()
+    return pg_loss, v_loss
+
+
 def ppo_loss(
     new_log_prob: torch.Tensor,
     new_values: torch.Tensor,
@@ -126,21 +183,12 @@ def ppo_loss(
         (0.0, 0.0, 0.5)
     """
     log_r = new_log_prob - old_log_prob
-    ratio = log_r.exp()
     if norm_adv:
         advantages = (advantages - advantages.mean()) / (advantages.std() + 1e-8)
-    if ratio.dim() == 2:  # G ratios per sample share its advantage
-        advantages = advantages[:, None]
-    pg_loss = torch.max(-advantages * ratio, -advantages * torch.clamp(ratio, 1 - clip_coef, 1 + clip_coef)).mean()
-    if clip_vloss:
-        v_clipped = old_values + torch.clamp(new_values - old_values, -clip_coef, clip_coef)
-        v_loss = 0.5 * torch.max((new_values - returns) ** 2, (v_clipped - returns) ** 2).mean()
-    else:
-        v_loss = 0.5 * ((new_values - returns) ** 2).mean()
+    pg_loss, v_loss = clipped_losses(log_r, new_values, old_values, advantages, returns, clip_coef=clip_coef,
+                                     clip_vloss=clip_vloss)  # fmt: skip
     loss = pg_loss - ent_coef * entropy.mean() + vf_coef * v_loss
-    with torch.no_grad():
-        approx_kl = ((ratio - 1) - log_r).mean()  # http://joschu.net/blog/kl-approx.html
-        clipfrac = ((ratio - 1.0).abs() > clip_coef).float().mean()
+    approx_kl, clipfrac = ratio_stats(log_r.detach(), clip_coef)
     return {"loss": loss, "pg_loss": pg_loss.detach(), "v_loss": v_loss.detach(), "approx_kl": approx_kl,
             "clipfrac": clipfrac}  # fmt: skip
 

@@ -7,7 +7,7 @@ import pytest
 import torch
 from gymnasium.wrappers.utils import RunningMeanStd
 
-from phyai_gym.ppo_math import LOGPROB_REDUCTIONS, RewardNormalizer, log_ratio, ppo_loss
+from phyai_gym.train.ppo_math import LOGPROB_REDUCTIONS, RewardNormalizer, log_ratio, ppo_loss
 
 
 def test_granularities_group_the_element_log_ratios():

@@ -18,7 +18,7 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 from phyai_gym.make import make_env, make_policy
-from phyai_gym.rollout_transport import TransportError, recv_rollout, send_rollout
+from phyai_gym.train.rollout_transport import TransportError, recv_rollout, send_rollout
 from policies.base import RolloutConfig
 from policies.pi05.batch import RolloutBatch, StoredPrefix
 
@@ -125,7 +125,7 @@ def test_round_trip_is_bit_identical_and_bad_input_is_refused(tmp_path: Path) ->
     assert results[1]["bytes"][0] > results[1]["bytes"][2] > 0  # the kept prefix K/V travelled
     errors = got["errors"]
     assert errors["protocol"] == ("TransportError: recv_rollout: rank 1 sent magic 0x50493035 protocol 6, expected "
-                                  "0x524f4c4c protocol 1; run the same phyai-gym version on every rank and match every "
+                                  "0x524f4c4c protocol 2; run the same phyai-gym version on every rank and match every "
                                   "send_rollout with one recv_rollout.")  # fmt: skip
     assert errors["self"] == ("ValueError: send_rollout: dst: expected another rank than this one (0); "
                               "point-to-point needs two processes.")  # fmt: skip

@@ -1,6 +1,6 @@
 """The expert's GEMMs at batch 1 (M = 50 action tokens): cuBLAS, cuBLASLt and a Triton weight-streaming kernel.
 
-    python -m benchmarks.bench_skinny_gemm [--out DIR]    # on a GPU; rows -> skinny_gemm.jsonl
+    python -m benchmarks.experiments.bench_skinny_gemm [--out DIR]    # on a GPU; rows -> skinny_gemm.jsonl
 
 At batch 1 each expert layer-step multiplies 50 rows by four weight matrices ([q;k;v] 1024 -> 2560, o 2048 -> 1024,
 [gate;up] 1024 -> 8192, down 4096 -> 1024; 34.6 MB of bf16 weights, 7.2 us at 4.8 TB/s). Such GEMMs are bound by
@@ -19,8 +19,8 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
-from benchmarks.bench_expert_attention import graph_time_us
-from benchmarks.common import run_cli, write_rows
+from benchmarks.common import graph_time_us, run_cli, write_rows
+from benchmarks.experiments import RESULTS
 
 BENCH = "skinny_gemm"
 SHAPES = {"qkv": (1024, 2560), "o": (2048, 1024), "gate_up": (1024, 8192), "down": (4096, 1024)}
@@ -94,7 +94,7 @@ def run(out: Path | None = None, rows_m: tuple[int, ...] = (50, 10)) -> list[dic
                 for warps in (4, 8):
                     fn = lambda x=x, w=w, bn=block_n, bk=block_k, wp=warps: stream_linear(x, w, bn, bk, wp)  # noqa: E731
                     _record(rows, base, ref, "triton_stream", fn, block_n=block_n, block_k=block_k, num_warps=warps)
-    return write_rows(BENCH, rows, out)
+    return write_rows(BENCH, rows, out or RESULTS)
 
 
 if __name__ == "__main__":

@@ -1,4 +1,5 @@
-"""phyai_gym.distributed: torchrun's environment read or refused with the fix; collectives on a one-rank gloo group."""
+"""phyai_gym.train.distributed: torchrun's environment read or refused with the fix; collectives on a one-rank gloo
+group."""
 
 from __future__ import annotations
 
@@ -11,7 +12,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from phyai_gym.distributed import DistributedError, GradientMean, Launch, ProcessGroup
+from phyai_gym.train.distributed import DistributedError, GradientMean, Launch, ProcessGroup
 
 FULL = {"RANK": "3", "LOCAL_RANK": "1", "WORLD_SIZE": "4", "MASTER_ADDR": "10.0.0.1", "MASTER_PORT": "29500"}
 

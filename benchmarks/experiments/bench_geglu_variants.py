@@ -1,6 +1,6 @@
 """Candidate schedules of the LM's gate/up + GeGLU GEMM, against the shipped kernel and cuBLAS, alone in CUDA graphs.
 
-    python -m benchmarks.bench_geglu_variants [--out DIR]    # on an sm90 GPU; rows -> geglu_variants.jsonl
+    python -m benchmarks.experiments.bench_geglu_variants [--out DIR]    # on an sm90 GPU; -> geglu_variants.jsonl
 
 Why: at case (a) batch 64 the kernel shipped until 69d1d81 (two 128-wide MMAs a K step, one tile a program) ran 234
 of the prefix's 478 ms at 605 TFLOP/s in the graph (640 alone), where cuBLAS runs the LM's down projection at ~700;
@@ -45,6 +45,7 @@ import torch
 import torch.nn.functional as F
 
 from benchmarks.common import run_cli, write_rows
+from benchmarks.experiments import RESULTS
 from policies.pi05 import geglu_gemm, kernels
 from policies.pi05.geglu_gemm import DEFAULT_TILES, GemmTiles
 
@@ -326,7 +327,7 @@ def _shape_rows(
 ) -> list[dict]:
     """One GeGLU shape: cuBLAS, the shipped kernel, each variant, quack's gated GEMM.
 
-    `timer(fn, calls)`: microseconds per call (`graph_time_us` on the GPU).
+    `timer(fn, calls)`: microseconds a call (`graph_time_us` on the GPU).
     """
     g = torch.Generator(device=_device()).manual_seed(3)
     gate, up = ((torch.randn(f, k, device=_device(), generator=g) * 0.02).bfloat16() for _ in range(2))
@@ -375,7 +376,7 @@ def _gelu_rows(
 
 def run(out: Path | None = None) -> list[dict[str, Any]]:
     """Every shape's cuBLAS rows, the shipped kernel and each variant; appends to ``geglu_variants.jsonl``."""
-    from benchmarks.bench_expert_attention import graph_time_us
+    from benchmarks.common import graph_time_us
 
     programs = torch.cuda.get_device_properties(0).multi_processor_count
     rows: list[dict[str, Any]] = []
@@ -385,7 +386,7 @@ def run(out: Path | None = None) -> list[dict[str, Any]]:
             torch.cuda.empty_cache()
         for case, (m, k, f) in GELU_SHAPES.items():
             rows += _gelu_rows(case, m, k, f, GELU_VARIANTS, programs, graph_time_us)
-    return write_rows(BENCH, rows, out)
+    return write_rows(BENCH, rows, out or RESULTS)
 
 
 if __name__ == "__main__":

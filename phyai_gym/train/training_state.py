@@ -63,7 +63,7 @@ class TrainingState:
 
     Args:
         masters: (name, float32 tensor) pairs the optimizer steps, by parameter name (the masters of
-            `policies.master_weights.MasterWeights`, named after the model's trainable parameters).
+            `phyai_gym.train.master_weights.MasterWeights`, named after the model's trainable parameters).
         optimizer: the optimizer over exactly those tensors.
     """
 

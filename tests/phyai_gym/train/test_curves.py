@@ -4,7 +4,7 @@ import importlib.util
 
 import pytest
 
-from phyai_gym.curves import CurveLog, main
+from phyai_gym.train.curves import CurveLog, main
 
 
 def test_rows_are_on_disk_before_close_and_the_plot_comes_at_close(tmp_path):

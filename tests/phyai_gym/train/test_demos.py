@@ -8,8 +8,8 @@ import h5py
 import numpy as np
 import pytest
 
-from phyai_gym.demos import ChunkSampler, read_demos, record_demos, target_expert, write_demos
 from phyai_gym.make import make_env
+from phyai_gym.train.demos import ChunkSampler, read_demos, record_demos, target_expert, write_demos
 
 
 def test_recorded_demos_round_trip_in_the_maniskill_layout(tmp_path):

@@ -19,7 +19,7 @@ then.
 
 Re-plot a CSV (e.g. one copied from a GPU run)::
 
-    python -m phyai_gym.curves ppo_curve.csv [--out plot.png]
+    python -m phyai_gym.train.curves ppo_curve.csv [--out plot.png]
 """
 
 from __future__ import annotations
@@ -274,7 +274,7 @@ def plot_curves(rows: Sequence[Mapping[str, Any]], path: str | Path, title: str 
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    """``python -m phyai_gym.curves CSV [--out PNG]``: the plot of a curve CSV."""
+    """``python -m phyai_gym.train.curves CSV [--out PNG]``: the plot of a curve CSV."""
     parser = argparse.ArgumentParser(description="Plot a learning-curve CSV (one row per iteration).")
     parser.add_argument("csv", help="the curve CSV (e.g. written by examples/ppo_pi05.py)")
     parser.add_argument("--out", default=None, help="the PNG (default: next to the CSV, same name)")

@@ -1,6 +1,6 @@
 """Compile the GeGLU GEMM kernels for sm90 without a GPU: shared memory, registers, spills, MMA shapes, pipelining.
 
-    python -m benchmarks.compile_sm90 [--out DIR]    # CPU, triton installed; rows -> compile_sm90.jsonl
+    python -m benchmarks.experiments.compile_sm90 [--out DIR]    # CPU, triton installed; -> compile_sm90.jsonl
 
 Device time is scarce, so a kernel variant is compiled here first (Triton's ahead-of-time path: `triton.compile` for
 ``GPUTarget("cuda", 90, 32)``, ptxas from the Triton wheel, the SASS by `triton.tools.disasm`) and only what fits
@@ -26,8 +26,9 @@ from dataclasses import asdict
 from pathlib import Path
 from typing import Any
 
-from benchmarks import bench_geglu_variants as variants
 from benchmarks.common import run_cli, write_rows
+from benchmarks.experiments import RESULTS
+from benchmarks.experiments import bench_geglu_variants as variants
 from policies.pi05 import geglu_gemm
 
 BENCH = "compile_sm90"
@@ -106,7 +107,7 @@ def run(out: Path | None = None) -> list[dict[str, Any]]:
             row["status"] = f"failed: {type(err).__name__}: {err}"[:500]
         rows.append(row)
         print(row, flush=True)
-    return write_rows(BENCH, rows, out)
+    return write_rows(BENCH, rows, out or RESULTS)
 
 
 if __name__ == "__main__":

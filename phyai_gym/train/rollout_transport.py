@@ -4,21 +4,22 @@ A disaggregated PPO run (`examples/ppo_disaggregated.py`) collects samples on ro
 trainer ranks; this module carries one `RolloutBatch` (plus named extra tensors such as advantages and returns)
 from one rank to another with point-to-point `send`/`recv`. Nothing is pickled, so it runs on gloo and NCCL:
 
-1. Header int64[4]: magic, protocol, manifest length (int64 words), number of entries.
-2. Manifest int64[...]: the batch header (`RolloutConfig`: per field its name, a type tag and the value; a float
-   as its 64 bits), the camera slots, then per entry its name, dtype code (-1: None) and shape. Strings are one
-   int64 word per UTF-8 byte (a few hundred words in all).
+1. Header int64[4]: magic, protocol, manifest length (int64 words), number of tensors.
+2. Manifest int64[2 + ...]: the shape dims and name bytes, then the weight broadcast's manifest of every tensor
+   (`policies.pi05.broadcast.encode_manifest`: names, dtypes, shapes). A batch field that is None is not listed.
 3. Every non-empty tensor as its raw bytes (a uint8 view), in manifest order: the receiver gets it bit for bit.
+   Besides the batch's tensors and the extras they are the batch header (`RolloutConfig` as UTF-8 JSON in a
+   uint8 tensor) and the camera slots.
 
 Every `send_rollout` must be matched by one `recv_rollout` on the peer, in program order.
 """
 
 from __future__ import annotations
 
+import json
 import math
-import struct
 from collections.abc import Mapping
-from dataclasses import fields
+from dataclasses import asdict, fields
 from typing import Any
 
 import torch
@@ -26,14 +27,10 @@ import torch.distributed as dist
 
 from policies.base import RolloutConfig
 from policies.pi05.batch import RolloutBatch, StoredPrefix
+from policies.pi05.broadcast import WIRE_DTYPES, decode_manifest, encode_manifest
 from policies.pi05.inputs import ModelInputs
 
-_MAGIC, _PROTOCOL = 0x524F_4C4C, 1  # "ROLL", this layout
-_DTYPES = (torch.float32, torch.bfloat16, torch.float16, torch.float64, torch.int64, torch.int32, torch.int16,
-           torch.int8, torch.uint8, torch.bool)  # fmt: skip
-"""Wire dtype codes: the index in this tuple."""
-_TAGS = {int: 0, bool: 1, float: 2, str: 3}
-"""Type tags of the header's fields."""
+_MAGIC, _PROTOCOL = 0x524F_4C4C, 2  # "ROLL", this layout
 _BATCH_FIELDS = ("inputs.images", "inputs.image_mask", "inputs.tokens", "inputs.lengths", "inputs.state", "chains",
                  "denoise_inds", "log_prob", "values", "prefix.kv", "prefix.key_mask", "prefix.pooled")  # fmt: skip
 """The batch's tensors, in wire order; extras follow as ``extra.<name>``."""
@@ -69,10 +66,13 @@ def send_rollout(
                         "RolloutBatch.cat([RolloutBatch.from_output(out) for out in outputs]).")  # fmt: skip
     _check_peer("send_rollout", "dst", dst)
     entries = _flatten(batch, extras)
-    manifest = _encode(batch, entries)
+    specs = [(name, tuple(t.shape), t.dtype) for name, t in entries]
+    wire, name_bytes = encode_manifest(specs)
+    dims = sum(len(shape) for _, shape, _ in specs)
+    manifest = torch.cat([torch.tensor([dims, name_bytes], dtype=torch.int64), wire])
     dev = _comm_device(group, device)
     header = torch.tensor([_MAGIC, _PROTOCOL, manifest.numel(), len(entries)], dtype=torch.int64)
-    payload = [t.detach().contiguous().reshape(-1).view(torch.uint8) for _, t in entries if t is not None]
+    payload = [t.detach().contiguous().reshape(-1).view(torch.uint8) for _, t in entries]
     payload = [b.to(dev) for b in payload if b.numel()]
     try:
         dist.send(header.to(dev), dst, group=group)
@@ -112,9 +112,10 @@ def recv_rollout(
                                  "match every send_rollout with one recv_rollout.")  # fmt: skip
         manifest = torch.zeros(words, dtype=torch.int64, device=dev)
         dist.recv(manifest, src, group=group)
-        header_config, slots, specs = _decode(manifest.cpu().tolist(), count)
-        buffers = {name: torch.empty(_nbytes(dtype, shape), dtype=torch.uint8, device=dev)
-                   for name, dtype, shape in specs if dtype is not None}  # fmt: skip
+        dims, name_bytes = manifest[:2].tolist()
+        specs = decode_manifest(manifest[2:].cpu(), count, dims, name_bytes)
+        buffers = {name: torch.empty(math.prod(shape) * dtype.itemsize, dtype=torch.uint8, device=dev)
+                   for name, shape, dtype in specs}  # fmt: skip
         works = [dist.irecv(b, src, group=group) for b in buffers.values() if b.numel()]
         for work in works:
             work.wait()
@@ -123,11 +124,10 @@ def recv_rollout(
     except Exception as err:
         raise TransportError(f"recv_rollout: receiving from rank {src} failed ({type(err).__name__}: {err}); the "
                              "sender died or the process group timed out.") from err  # fmt: skip
-    tensors: dict[str, torch.Tensor | None] = {name: None for name, _, _ in specs}
-    for name, dtype, shape in specs:
-        if dtype is not None:
-            tensors[name] = buffers[name].view(dtype).reshape(shape).to(device)
-    return _unflatten(tensors, header_config, slots)
+    tensors = {name: buffers[name].view(dtype).reshape(shape) for name, shape, dtype in specs}
+    header_config = _header(tensors.pop("header"), src)
+    slots = tuple(tensors.pop("inputs.slots").tolist())
+    return _unflatten({name: t.to(device) for name, t in tensors.items()}, header_config, slots)
 
 
 def _check_peer(where: str, argument: str, rank: Any) -> None:
@@ -139,26 +139,30 @@ def _check_peer(where: str, argument: str, rank: Any) -> None:
                          "two processes.")  # fmt: skip
 
 
-def _flatten(batch: RolloutBatch, extras: Mapping[str, torch.Tensor] | None) -> list[tuple[str, torch.Tensor | None]]:
+def _flatten(batch: RolloutBatch, extras: Mapping[str, torch.Tensor] | None) -> list[tuple[str, torch.Tensor]]:
+    """The message's tensors: the header, the camera slots, the batch's tensors that are not None, the extras."""
     x, p = batch.inputs, batch.prefix
     kept = (None, None, None) if p is None else (p.kv, p.key_mask, p.pooled)
     values = [x.images, x.image_mask, x.tokens, x.lengths, x.state, batch.chains, batch.denoise_inds, batch.log_prob,
               batch.values, *kept]  # fmt: skip
-    entries = list(zip(_BATCH_FIELDS, values))
+    header = torch.frombuffer(bytearray(json.dumps(asdict(batch.header)).encode()), dtype=torch.uint8)
+    entries = [("header", header), ("inputs.slots", torch.tensor(x.slots, dtype=torch.int64))]
+    entries += [(name, t) for name, t in zip(_BATCH_FIELDS, values) if t is not None]
     for name, tensor in (extras or {}).items():
         if not isinstance(name, str) or not name:
             raise ValueError(f"send_rollout: extras: expected non-empty string keys, got {name!r}.")
-        if not isinstance(tensor, torch.Tensor) or tensor.dtype not in _DTYPES:
+        if not isinstance(tensor, torch.Tensor) or tensor.dtype not in WIRE_DTYPES:
             what = f"{type(tensor).__name__} {getattr(tensor, 'dtype', '')}".strip()
-            raise TypeError(f"send_rollout: extras[{name!r}]: expected a tensor of one of {list(_DTYPES)}, got "
+            raise TypeError(f"send_rollout: extras[{name!r}]: expected a tensor of one of {list(WIRE_DTYPES)}, got "
                             f"{what}; convert it, e.g. torch.as_tensor(value, dtype=torch.float32).")  # fmt: skip
         entries.append((f"extra.{name}", tensor))
     return entries
 
 
 def _unflatten(
-    t: dict[str, torch.Tensor | None], header: RolloutConfig, slots: tuple[int, ...]
+    t: dict[str, torch.Tensor], header: RolloutConfig, slots: tuple[int, ...]
 ) -> tuple[RolloutBatch, dict[str, torch.Tensor]]:
+    t = {**dict.fromkeys(_BATCH_FIELDS), **t}  # the fields not sent were None
     inputs = ModelInputs(t["inputs.images"], t["inputs.image_mask"], slots, t["inputs.tokens"], t["inputs.lengths"],
                          t["inputs.state"])  # fmt: skip
     prefix = None if t["prefix.kv"] is None else StoredPrefix(t["prefix.kv"], t["prefix.key_mask"], t["prefix.pooled"])
@@ -167,58 +171,14 @@ def _unflatten(
     return batch, extras
 
 
-def _encode(batch: RolloutBatch, entries: list[tuple[str, torch.Tensor | None]]) -> torch.Tensor:
-    words: list[int] = [len(fields(RolloutConfig))]
-    for f in fields(RolloutConfig):
-        value = getattr(batch.header, f.name)
-        _put_str(words, f.name)
-        words.append(_TAGS[type(value)])
-        if isinstance(value, str):
-            _put_str(words, value)
-        else:
-            words.append(struct.unpack("<q", struct.pack("<d", value))[0] if isinstance(value, float) else int(value))
-    words += [len(batch.inputs.slots), *batch.inputs.slots]
-    for name, tensor in entries:
-        _put_str(words, name)
-        words += [-1] if tensor is None else [_DTYPES.index(tensor.dtype), tensor.dim(), *tensor.shape]
-    return torch.tensor(words, dtype=torch.int64)
-
-
-def _decode(words: list[int], count: int) -> tuple[RolloutConfig, tuple[int, ...], list[tuple[str, Any, tuple]]]:
-    reader = iter(words)
-    kwargs: dict[str, Any] = {}
-    for _ in range(next(reader)):
-        name, tag = _get_str(reader), next(reader)
-        if tag == _TAGS[str]:
-            kwargs[name] = _get_str(reader)
-        else:
-            word = next(reader)
-            kwargs[name] = struct.unpack("<d", struct.pack("<q", word))[0] if tag == _TAGS[float] else word
-            kwargs[name] = bool(word) if tag == _TAGS[bool] else kwargs[name]
+def _header(data: torch.Tensor, src: int) -> RolloutConfig:
+    """The sender's `RolloutConfig` from its JSON bytes, refused when its fields are not this version's."""
+    kwargs = json.loads(data.cpu().numpy().tobytes().decode())
     ours = {f.name for f in fields(RolloutConfig)}
     if set(kwargs) != ours:
-        raise TransportError(f"recv_rollout: the sender's RolloutConfig has fields {sorted(kwargs)}, this rank's "
+        raise TransportError(f"recv_rollout: rank {src}'s RolloutConfig has fields {sorted(kwargs)}, this rank's "
                              f"{sorted(ours)}; run the same phyai-gym version on every rank.")  # fmt: skip
-    slots = tuple(next(reader) for _ in range(next(reader)))
-    specs = []
-    for _ in range(count):
-        name, code = _get_str(reader), next(reader)
-        shape = () if code < 0 else tuple(next(reader) for _ in range(next(reader)))
-        specs.append((name, None if code < 0 else _DTYPES[code], shape))
-    return RolloutConfig(**kwargs), slots, specs
-
-
-def _put_str(words: list[int], text: str) -> None:
-    data = text.encode()
-    words += [len(data), *data]
-
-
-def _get_str(reader: Any) -> str:
-    return bytes(next(reader) for _ in range(next(reader))).decode()
-
-
-def _nbytes(dtype: torch.dtype, shape: tuple[int, ...]) -> int:
-    return math.prod(shape) * dtype.itemsize
+    return RolloutConfig(**kwargs)
 
 
 def _comm_device(group: Any, device: Any) -> torch.device:

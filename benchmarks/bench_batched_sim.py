@@ -1,15 +1,15 @@
 """GPU-batched simulation (MuJoCo Warp Panda tasks) with and without PI0.5: env-steps/s and where a step goes.
 
-Rows (one JSONL each, under results/ or --out):
-  batched_sim_env_only  N worlds stepped with random actions, 2 cameras at 224: physics (+ controller and rules),
+Rows go to results/batched_sim.jsonl (or --out), told apart by ``kind``:
+  env_only  N worlds stepped with random actions, 2 cameras at 224: physics (+ controller and rules),
                         render, env-steps/s rendering every step and on demand (one render per chunk of C).
-  batched_sim_rollout   `PolicyVectorEnv` over the env with the full-size PI0.5 (LIBERO RL setting: 2 cameras,
+  rollout   `PolicyVectorEnv` over the env with the full-size PI0.5 (LIBERO RL setting: 2 cameras,
                         K = 5, H = 10, C = 5): env-steps/s of the loop, policy_ms_p50 (one act() on the chunk's
                         observation), sim_ms_p50 and render_ms_p50 per chunk, the simulator's share of a step, and
                         the policy-alone rate at the same N.
-  batched_sim_startup   seconds from the constructor to the first observation, cold (empty kernel cache) and
+  startup   seconds from the constructor to the first observation, cold (empty kernel cache) and
                         warm (the cache the cold run filled); --startup runs one start and prints its row.
-  batched_sim_ppo       examples/ppo_pi05.py on the task (--ppo-iterations, default 5): per-iteration rollout /
+  ppo       examples/ppo_pi05.py on the task (--ppo-iterations, default 5): per-iteration rollout /
                         update / sync seconds, approx-KL, clip fraction, and whether every figure is finite.
 
     python -m benchmarks.bench_batched_sim --sizes 64 256 1024 --config base      # on a GPU
@@ -32,6 +32,7 @@ import torch
 
 from benchmarks.common import ROOT, build_pi05, percentiles, synchronize, write_rows
 
+BENCH = "batched_sim"
 CAMERA_MAP = {"image": "base_0_rgb", "wrist_image": "left_wrist_0_rgb"}
 MANISKILL_PUBLISHED = "ManiSkill3 PickCube-v1, 1 camera 128x128, 4096 envs, RTX 4090: 18,549 FPS (its docs)"
 
@@ -123,7 +124,7 @@ def startup_rows(task: str, image_size: int, device: torch.device, out: Path | N
                    "--image-size", str(image_size), "--device", str(device)]  # fmt: skip
             done = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=900, check=True)
             rows.append({**json.loads(done.stdout.strip().splitlines()[-1]), "kernel_cache": cache_state})
-    write_rows("batched_sim_startup", rows, out)
+    write_rows(BENCH, [{"kind": "startup", **row} for row in rows], out)
 
 
 def ppo(task: str, n: int, config: str, chunk: int, iterations: int, device: torch.device, out: Path | None) -> None:
@@ -143,7 +144,8 @@ def ppo(task: str, n: int, config: str, chunk: int, iterations: int, device: tor
         rows = list(csv.DictReader(curve.open()))
     numbers = [float(v) for row in rows for k, v in row.items() if k not in ("success_rate", "episodic_return") and v]
     mean = lambda key: sum(float(r[key]) for r in rows) / len(rows)  # noqa: E731
-    write_rows("batched_sim_ppo", [dict(
+    write_rows(BENCH, [dict(
+        kind="ppo",
         sim="mujoco_warp", task=task, config=config, num_envs=n, chunk=chunk, num_steps=4, iterations=len(rows),
         finite=all(math.isfinite(x) for x in numbers), wall_s=wall, rollout_s_mean=mean("time_rollout"),
         update_s_mean=mean("time_train"), sync_s_mean=mean("time_sync"), approx_kl_mean=mean("approx_kl"),
@@ -179,12 +181,12 @@ def main() -> None:
         return
     if "env_only" in args.sections:
         for n in args.env_only_sizes if args.env_only_sizes is not None else args.sizes:
-            write_rows("batched_sim_env_only", env_only(args.task, n, args.image_size, args.chunk, device, args.iters),
-                       args.out)  # fmt: skip
+            rows = env_only(args.task, n, args.image_size, args.chunk, device, args.iters)
+            write_rows(BENCH, [{"kind": "env_only", **row} for row in rows], args.out)
     if "rollout" in args.sections:
         for n in args.sizes:
             row = rollout(args.task, n, args.image_size, args.chunk, args.config, device, args.iters)
-            write_rows("batched_sim_rollout", [row], args.out)
+            write_rows(BENCH, [{"kind": "rollout", **row}], args.out)
     if "startup" in args.sections:
         startup_rows(args.task, args.image_size, device, args.out, args.warp_cache)
     if "ppo" in args.sections:

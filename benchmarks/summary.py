@@ -71,6 +71,20 @@ TABLES: dict[str, Table] = {
         ("env", "workers", "vectorization", "render", "image_size", "chunk", "mujoco_gl"),
         ("env_steps_per_s", "on_demand_speedup"),
     ),
+    "batched_sim.env_only": Table(
+        ("task", "num_envs", "cameras", "image_size", "render"),
+        ("env_steps_per_s", "step_ms_p50", "render_ms_p50", "images_per_s"),
+    ),
+    "batched_sim.rollout": Table(
+        ("task", "config", "num_envs", "chunk", "cameras", "image_size"),
+        ("env_steps_per_s", "policy_ms_p50", "sim_ms_p50", "render_ms_p50", "simulator_share",
+         "policy_alone_env_steps_per_s"),
+    ),
+    "batched_sim.startup": Table(("task", "image_size", "kernel_cache"), ("first_step_s", "constructor_s")),
+    "batched_sim.ppo": Table(
+        ("task", "config", "num_envs", "chunk", "num_steps"),
+        ("iterations", "finite", "rollout_s_mean", "update_s_mean", "sync_s_mean", "approx_kl_mean", "clipfrac_mean"),
+    ),
     "cpu_sim_loop": Table(
         ("policy", "device", "env", "workers", "vectorization", "render", "image_size", "chunk", "mujoco_gl"),
         ("env_steps_per_s", "on_demand_speedup", "policy_ms_per_chunk", "env_ms_per_chunk", "policy_share"),

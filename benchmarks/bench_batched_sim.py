@@ -21,6 +21,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import runpy
 import subprocess
 import sys
 import tempfile
@@ -112,17 +113,20 @@ def startup(task: str, image_size: int, device: torch.device) -> dict:
 
 
 def startup_rows(task: str, image_size: int, device: torch.device, out: Path | None, cache: Path | None) -> None:
-    """A cold start in an empty kernel cache (`cache`, else a temporary one), then a warm one reusing it."""
+    """A cold start in an empty kernel cache (`cache`, else a temporary one), then a warm one reusing it.
+
+    Each start is a new process (``--startup``), told the task, image size and device through ``BATCHED_SIM_*``.
+    """
     rows = []
     with tempfile.TemporaryDirectory() as scratch:
         cache = cache or Path(scratch)
         if cache.exists() and any(cache.iterdir()):
             raise ValueError(f"--warp-cache: expected an empty or missing folder for the cold start, got {cache}.")
         for cache_state in ("cold", "warm"):
-            env = {**os.environ, "WARP_CACHE_PATH": str(cache)}
-            cmd = [sys.executable, "-m", "benchmarks.bench_batched_sim", "--startup", "--task", task,
-                   "--image-size", str(image_size), "--device", str(device)]  # fmt: skip
-            done = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=900, check=True)
+            env = {**os.environ, "WARP_CACHE_PATH": str(cache), "BATCHED_SIM_TASK": task,
+                   "BATCHED_SIM_IMAGE_SIZE": str(image_size), "BATCHED_SIM_DEVICE": str(device)}  # fmt: skip
+            done = subprocess.run([sys.executable, "-m", "benchmarks.bench_batched_sim", "--startup"], cwd=ROOT,
+                                  env=env, capture_output=True, text=True, timeout=900, check=True)  # fmt: skip
             rows.append({**json.loads(done.stdout.strip().splitlines()[-1]), "kernel_cache": cache_state})
     write_rows(BENCH, [{"kind": "startup", **row} for row in rows], out)
 
@@ -134,12 +138,15 @@ def ppo(task: str, n: int, config: str, chunk: int, iterations: int, device: tor
 
     with tempfile.TemporaryDirectory() as folder:
         curve = Path(folder) / "curve.csv"
-        cmd = [sys.executable, "examples/ppo_pi05.py", "--env", f"mjwarp_{task}", "--config", config, "--device",
-               str(device), "--num-envs", str(n), "--num-steps", "4", "--action-chunk", str(chunk),
-               "--total-iterations", str(iterations), "--eval-episodes", "0", "--csv", str(curve)]  # fmt: skip
-        started = time.perf_counter()
-        env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")])}
-        subprocess.run(cmd, cwd=ROOT, env=env, check=True, timeout=1800)
+        argv = ["ppo_pi05.py", "--env", f"mjwarp_{task}", "--config", config, "--device", str(device),
+                "--num-envs", str(n), "--num-steps", "4", "--action-chunk", str(chunk), "--total-iterations",
+                str(iterations), "--eval-episodes", "0", "--csv", str(curve)]  # fmt: skip
+        started, saved = time.perf_counter(), sys.argv
+        try:  # the example as a user runs it, in this process
+            sys.argv = argv
+            runpy.run_path(str(ROOT / "examples" / "ppo_pi05.py"), run_name="__main__")
+        finally:
+            sys.argv = saved
         wall = time.perf_counter() - started
         rows = list(csv.DictReader(curve.open()))
     numbers = [float(v) for row in rows for k, v in row.items() if k not in ("success_rate", "episodic_return") and v]
@@ -176,8 +183,10 @@ def main() -> None:
     parser.add_argument("--out", type=Path, default=None, help="folder for the JSONL rows (default results/)")
     args = parser.parse_args()
     device = torch.device(args.device)
-    if args.startup:
-        print(json.dumps(startup(args.task, args.image_size, device)))
+    if args.startup:  # a child of startup_rows
+        env = os.environ
+        print(json.dumps(startup(env["BATCHED_SIM_TASK"], int(env["BATCHED_SIM_IMAGE_SIZE"]),
+                                 torch.device(env["BATCHED_SIM_DEVICE"]))))  # fmt: skip
         return
     if "env_only" in args.sections:
         for n in args.env_only_sizes if args.env_only_sizes is not None else args.sizes:

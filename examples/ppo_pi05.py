@@ -536,7 +536,8 @@ def _train(args: Args, curves: CurveLog, group: ProcessGroup | None, resume_from
         if verbose:
             print(
                 f"{curves.progress(iteration)} | step {global_step:6d} success {row['success_rate']:.2f} "
-                f"return {row['episodic_return']:+.3f} kl {row['approx_kl']:.4f} (first {row['approx_kl_first']:.1e}) "
+                f"return {row['episodic_return']:+.3f} kl {row['approx_kl']:.4f} "
+                f"(before any step {row['approx_kl_first']:.1e}: rollout vs trainer rounding, 0 in fp32) "
                 f"clipfrac {row['clipfrac']:.2f} ev {row['explained_variance']:+.2f} SPS {row['sps']:.0f} | "
                 f"rollout {t_rollout:.2f}s train {t_train:.2f}s sync {t_sync * 1e3:.1f}ms v{report.version}",
                 flush=True,
@@ -563,8 +564,10 @@ def _train(args: Args, curves: CurveLog, group: ProcessGroup | None, resume_from
     envs.close()
     total = sum(times.values())
     if rank == 0:
+        success = (f"stochastic {final['stochastic']:.3f}, deterministic {final['deterministic']:.3f}"
+                   if args.eval_episodes > 0 else "not measured (--eval-episodes 0)")  # fmt: skip
         print(
-            f"final success: stochastic {final['stochastic']:.3f}, deterministic {final['deterministic']:.3f} | "
+            f"final success: {success} | "
             f"time split: rollout {times['rollout'] / total:.0%}, training {times['train'] / total:.0%}, "
             f"weight sync {times['sync'] / total:.1%} of {total:.1f}s"
         )

@@ -132,9 +132,7 @@ def _row(obs: dict[str, Any], i: int) -> tuple[dict[str, np.ndarray], np.ndarray
     return images, _host(obs["state"][i]).astype(np.float32), str(obs["task"][i])
 
 
-def record_demos(
-    envs: Any, expert: Callable[[dict[str, Any]], Any], episodes: int, *, seed: int = 0
-) -> list[Episode]:
+def record_demos(envs: Any, expert: Callable[[dict[str, Any]], Any], episodes: int, *, seed: int = 0) -> list[Episode]:
     """The first `episodes` episodes that `expert` (batched canonical obs -> (N, A) actions) finishes in `envs`.
 
     `envs` autoresets in the same step (SAME_STEP: the final observation is ``infos["final_obs"]``, success the final

@@ -11,7 +11,7 @@ Per seed, the whole user sequence, each step the command a user runs (in this pr
 One row per seed and a pooled row (all seeds' episodes) go to ``results/real_task_rl.jsonl``; each seed's PPO curve
 is plotted with `phyai_gym.train.curves.plot_curves` into ``plots/real_task_rl_seed<k>.png``.
 
-    python -m benchmarks.real_task_rl                       # 3 seeds, tiny config, push-cube, 32 px (CPU)
+    python -m benchmarks.real_task_rl                       # 3 seeds, tiny config, push-cube, 64 px (CPU)
     python -m benchmarks.real_task_rl --seeds 1 --ppo-iterations 5 --eval-episodes 16   # a quick look
 """
 
@@ -54,8 +54,9 @@ class Args:
     sft_trainable: str = "all"
     """what SFT trains: "all" (the random tiny vision tower and LM too: they must learn to see the cube) or
     "expert" """
-    image_size: int = 32
-    """camera image side (the env renders it; the processor resizes to the tiny vision tower's input)"""
+    image_size: int = 64
+    """camera image side (the env renders it; the processor resizes to the tiny vision tower's input); at 32 px the
+    4 cm cube is about one pixel"""
     cameras: str = "image"
     """cameras rendered for SFT and PPO (the tiny policy reads "image")"""
     action_chunk: int = 5

@@ -28,6 +28,7 @@ from phyai_gym.train.curves import CurveLog
 from phyai_gym.train.demos import EXPERTS, ChunkSampler, read_demos, record_demos, write_demos
 from phyai_gym.train.master_weights import MasterWeights
 from policies.base import RolloutConfig
+from policies.pi05.config import CAMERA_SLOTS
 from policies.pi05.flow_loss import flow_matching_loss, sample_time
 from wrappers import PolicyVectorEnv
 
@@ -61,7 +62,8 @@ class Args:
     image_size: int | None = None
     """rendered image side of a simulator env (None: the env's own; e.g. 32 keeps MuJoCo Warp cheap on the CPU)"""
     cameras: str | None = None
-    """MuJoCo Warp envs: the cameras to render, comma-separated ("image" or "image,wrist_image"; None: both)"""
+    """MuJoCo Warp envs: the cameras to render, comma-separated ("image" or "image,wrist_image"; None: both); a new
+    policy reads them, in this order, through the model's camera slots (without the flag: "image" only)"""
     demos: str = "demos/target.h5"
     """the demonstrations, a ManiSkill trajectory .h5 (with its .json sidecar)"""
     record_episodes: int = 0
@@ -142,6 +144,8 @@ def train(args: Args) -> dict:
     if args.checkpoint is None:
         kwargs["prompt_format"] = "state"  # the state enters the prompt as bins, as in examples/ppo_pi05.py
         kwargs["rollout"] = RolloutConfig(num_steps=args.denoise_steps, action_chunk=args.action_chunk)
+        if "cameras" in args.env_kwargs:  # the rendered cameras fill the model's slots in order (wrist: a wrist slot)
+            kwargs["camera_map"] = dict(zip(args.env_kwargs["cameras"], CAMERA_SLOTS))
     policy = make_policy(args.checkpoint, **kwargs)
     policy.set_trainable(args.trainable)
     model, processor = policy.model, policy.processor

@@ -80,7 +80,7 @@ class Args:
     work_dir: str | None = None
     """keep demos, checkpoints, runs and eval folders here (None: a temporary folder)"""
     out: str | None = None
-    """folder of the JSONL (None: benchmarks/results/)"""
+    """folder of the JSONL and the plots (None: benchmarks/results/ and benchmarks/plots/)"""
 
     @property
     def config(self) -> str:
@@ -137,7 +137,8 @@ def one_seed(args: Args, seed: int, work: Path) -> dict:
     with (run / "curve.csv").open() as handle:
         curve = [{k: float(v) if v not in ("", None) else float("nan") for k, v in r.items()}
                  for r in csv.DictReader(handle)]  # fmt: skip
-    plot_curves(curve, PLOTS / f"{BENCH}_seed{seed}.png", title=f"PPO from SFT, tiny PI0.5, {args.env}, seed {seed}")
+    plots = PLOTS if args.out is None else Path(args.out)  # a run elsewhere keeps its plots beside its rows
+    plot_curves(curve, plots / f"{BENCH}_seed{seed}.png", title=f"PPO from SFT, tiny PI0.5, {args.env}, seed {seed}")
     return {
         "seed": seed, "sft_successes": sft_k, "sft_episodes": sft_n, "ppo_successes": ppo_k, "ppo_episodes": ppo_n,
         "sft_s": round(sft_s, 1), "ppo_s": round(ppo_s, 1),

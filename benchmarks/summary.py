@@ -123,6 +123,9 @@ TABLES: dict[str, Table] = {
     "ppo.seeds": Table(("config", "flags", "iterations", "seeds"),
                        ("mean_deterministic", "final_success_deterministic", "mean_stochastic", "episodes_each",
                         "concurrent_runs", "failed_seeds")),
+    "real_task_rl": Table(("env", "config", "demos", "iterations", "seed"),
+                          ("sft_success", "sft_ci", "ppo_success", "ppo_ci", "gain_points", "intervals_overlap",
+                           "eval_episodes")),
     "ppo_health": Table(("config", "env", "action_chunk", "lr", "logprob_reduction", "flags", "seed"),
                         ("approx_kl_mean", "approx_kl_chunk_mean", "clipfrac_mean", "explained_variance", "healthy")),
 }

@@ -106,6 +106,10 @@ class Args:
     """target task: number of possible targets (best constant action succeeds ~1/k)"""
     episode_length: int = 1
     """target task: steps before truncation"""
+    image_size: int | None = None
+    """rendered image side of a simulator env (None: the env's own; e.g. 32 keeps MuJoCo Warp cheap on the CPU)"""
+    cameras: str | None = None
+    """MuJoCo Warp envs: the cameras to render, comma-separated ("image" or "image,wrist_image"; None: both)"""
     num_envs: int = 32
     """N, parallel envs (per rank under torchrun: G ranks step G*N envs)"""
     num_steps: int = 2
@@ -343,6 +347,10 @@ def _train(args: Args, curves: CurveLog, group: ProcessGroup | None, resume_from
     env_kwargs = (
         {"num_targets": args.num_targets, "episode_length": args.episode_length} if args.env == "target" else {}
     )
+    if args.image_size is not None:
+        env_kwargs["image_size"] = args.image_size
+    if args.cameras is not None:
+        env_kwargs["cameras"] = tuple(c.strip() for c in args.cameras.split(",") if c.strip())
     raw_env = make_env(args.env, args.num_envs, **env_kwargs)
     action_dim = int(raw_env.single_action_space.shape[0])
 

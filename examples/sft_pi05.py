@@ -28,6 +28,7 @@ from phyai_gym.train.curves import CurveLog
 from phyai_gym.train.demos import EXPERTS, ChunkSampler, read_demos, record_demos, write_demos
 from phyai_gym.train.master_weights import MasterWeights
 from policies.base import RolloutConfig
+from policies.pi05.config import CAMERA_SLOTS
 from policies.pi05.flow_loss import flow_matching_loss, sample_time
 from wrappers import PolicyVectorEnv
 
@@ -58,12 +59,22 @@ class Args:
     """target task: number of possible targets"""
     episode_length: int = 1
     """target task: steps before the episode ends"""
+    image_size: int | None = None
+    """rendered image side of a simulator env (None: the env's own; e.g. 32 keeps MuJoCo Warp cheap on the CPU)"""
+    cameras: str | None = None
+    """MuJoCo Warp envs: the cameras to render, comma-separated ("image" or "image,wrist_image"; None: both); a new
+    policy reads them, in this order, through the model's camera slots (without the flag: "image" only)"""
     demos: str = "demos/target.h5"
     """the demonstrations, a ManiSkill trajectory .h5 (with its .json sidecar)"""
     record_episodes: int = 0
     """record this many episodes with the env's scripted expert into --demos first (0: read --demos as it is)"""
     record_envs: int = 16
-    """parallel envs while recording"""
+    """parallel envs while recording (and in the final evaluation)"""
+    # Rollout settings saved with the checkpoint (random policies; a --checkpoint keeps its own)
+    action_chunk: int = 1
+    """C, env steps per policy call when the checkpoint acts (eval, PPO); at most the model's horizon"""
+    denoise_steps: int = 5
+    """K, Euler denoise steps when the checkpoint acts"""
     # Optimisation (LeRobot's / openpi's PI0.5 fine-tuning: AdamW, betas (0.9, 0.95), weight decay 0.01, clip 1.0)
     steps: int = 100
     """optimizer steps"""
@@ -103,6 +114,10 @@ class Args:
             )
         if self.env == "target":
             self.env_kwargs = {"num_targets": self.num_targets, "episode_length": self.episode_length}
+        if self.image_size is not None:
+            self.env_kwargs["image_size"] = self.image_size
+        if self.cameras is not None:
+            self.env_kwargs["cameras"] = tuple(c.strip() for c in self.cameras.split(",") if c.strip())
 
 
 def train(args: Args) -> dict:
@@ -114,7 +129,7 @@ def train(args: Args) -> dict:
         print(threads)
     if args.record_episodes:
         envs = make_env(args.env, args.record_envs, **args.env_kwargs)
-        episodes = record_demos(envs, EXPERTS[args.env], args.record_episodes, seed=args.seed)
+        episodes = record_demos(envs, EXPERTS[args.env](envs), args.record_episodes, seed=args.seed)
         envs.close()
         write_demos(args.demos, episodes, {"env_id": args.env, "env_kwargs": args.env_kwargs})
         if not args.quiet:
@@ -128,7 +143,9 @@ def train(args: Args) -> dict:
                   max_batch_size=args.batch_size, cuda_graphs=False)  # fmt: skip
     if args.checkpoint is None:
         kwargs["prompt_format"] = "state"  # the state enters the prompt as bins, as in examples/ppo_pi05.py
-        kwargs["rollout"] = RolloutConfig(num_steps=5, action_chunk=1)
+        kwargs["rollout"] = RolloutConfig(num_steps=args.denoise_steps, action_chunk=args.action_chunk)
+        if "cameras" in args.env_kwargs:  # the rendered cameras fill the model's slots in order (wrist: a wrist slot)
+            kwargs["camera_map"] = dict(zip(args.env_kwargs["cameras"], CAMERA_SLOTS))
     policy = make_policy(args.checkpoint, **kwargs)
     policy.set_trainable(args.trainable)
     model, processor = policy.model, policy.processor
@@ -199,7 +216,8 @@ def train(args: Args) -> dict:
         if args.out is None:
             raise ValueError("--eval-episodes: the evaluation acts with the saved checkpoint. Fix: pass --out DIR.")
         acting = make_policy(args.out, device=args.device, max_batch_size=args.record_envs)
-        envs = PolicyVectorEnv(make_env(args.env, args.record_envs, **args.env_kwargs), acting, action_chunk=1)
+        chunk = acting.rollout.action_chunk
+        envs = PolicyVectorEnv(make_env(args.env, args.record_envs, **args.env_kwargs), acting, action_chunk=chunk)
         envs.deterministic = True
         result["success_rate"] = success_rate(envs, args.eval_episodes, seed=args.seed + 10_000)
         envs.close()

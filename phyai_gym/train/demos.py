@@ -121,54 +121,73 @@ def read_demos(path: str | Path) -> list[Episode]:
     return episodes
 
 
+def _host(value: Any) -> np.ndarray:
+    """A numpy array of `value` (torch tensors of GPU-batched simulators, e.g. MuJoCo Warp's, come to the host)."""
+    return value.detach().cpu().numpy() if hasattr(value, "detach") else np.asarray(value)
+
+
 def _row(obs: dict[str, Any], i: int) -> tuple[dict[str, np.ndarray], np.ndarray, str]:
     """(images, state, task) of env i in a batched canonical observation (or one env's own, unbatched)."""
-    images = {cam: np.asarray(frames[i]) for cam, frames in obs["images"].items()}
-    return images, np.asarray(obs["state"][i], np.float32), str(obs["task"][i])
+    images = {cam: _host(frames[i]) for cam, frames in obs["images"].items()}
+    return images, _host(obs["state"][i]).astype(np.float32), str(obs["task"][i])
 
 
-def record_demos(
-    envs: Any, expert: Callable[[dict[str, Any]], np.ndarray], episodes: int, *, seed: int = 0
-) -> list[Episode]:
+def record_demos(envs: Any, expert: Callable[[dict[str, Any]], Any], episodes: int, *, seed: int = 0) -> list[Episode]:
     """The first `episodes` episodes that `expert` (batched canonical obs -> (N, A) actions) finishes in `envs`.
 
-    `envs` must autoreset in the same step (SAME_STEP), which keeps every final observation; success is the final
-    info's ``is_success`` (or ``success``).
+    `envs` autoresets in the same step (SAME_STEP: the final observation is ``infos["final_obs"]``, success the final
+    info's ``is_success`` or ``success``) or in the next one (NEXT_STEP, as MuJoCo Warp's envs: the step that ends an
+    episode returns its final observation and success flag, the next step resets that env and its action is
+    ignored). Observations, rewards and flags may be numpy arrays or torch tensors.
     """
     mode = envs.metadata.get("autoreset_mode")
-    if getattr(mode, "value", mode) != "SameStep":
+    mode = getattr(mode, "value", mode)
+    if mode not in ("SameStep", "NextStep"):
         raise ValueError(
-            f"record_demos: expected a vector env with autoreset_mode SAME_STEP, got {mode!r}. Fix: build it with "
-            "autoreset_mode=AutoresetMode.SAME_STEP (the final observation is kept)."
+            f"record_demos: expected a vector env with autoreset_mode SAME_STEP or NEXT_STEP, got {mode!r}. Fix: "
+            "build it with autoreset_mode=AutoresetMode.SAME_STEP (the final observation is kept)."
         )
     n = envs.num_envs
     obs, _ = envs.reset(seed=seed)
     open_eps = [{"obs": [_row(obs, i)], "actions": [], "rewards": []} for i in range(n)]
-    seeds = [seed + i for i in range(n)]
+    seeds: list[int | None] = [seed + i for i in range(n)]
+    resetting = np.zeros(n, bool)  # NEXT_STEP: env i ended last step; this step resets it
     done_eps: list[Episode] = []
     while len(done_eps) < episodes:
-        actions = np.asarray(expert(obs), np.float32)
+        actions = np.asarray(_host(expert(obs)), np.float32)
         obs, reward, terminated, truncated, infos = envs.step(actions)
+        reward, ended = _host(reward), _host(terminated) | _host(truncated)
+        if mode == "SameStep":
+            final_info = infos.get("final_info", {})
+            flags = final_info.get("is_success", final_info.get("success"))
+        else:
+            flags = infos.get("is_success", infos.get("success"))
+        flags = None if flags is None else _host(flags)
         for i in range(n):
+            if resetting[i]:  # the reset step of a NEXT_STEP env: a new episode starts at its observation
+                open_eps[i], resetting[i] = {"obs": [_row(obs, i)], "actions": [], "rewards": []}, False
+                continue
             ep = open_eps[i]
             ep["actions"].append(actions[i])
             ep["rewards"].append(float(reward[i]))
-            if not (terminated[i] or truncated[i]):
+            if not ended[i]:
                 ep["obs"].append(_row(obs, i))
                 continue
-            final = infos["final_obs"][i]
-            ep["obs"].append(({c: np.asarray(v) for c, v in final["images"].items()},
-                              np.asarray(final["state"], np.float32), str(final["task"])))  # fmt: skip
-            final_info = infos.get("final_info", {})
-            flags = final_info.get("is_success", final_info.get("success"))
-            success = bool(flags[i]) if flags is not None else False
+            if mode == "SameStep":
+                final = infos["final_obs"][i]
+                ep["obs"].append(({c: _host(v) for c, v in final["images"].items()},
+                                  _host(final["state"]).astype(np.float32), str(final["task"])))  # fmt: skip
+                open_eps[i] = {"obs": [_row(obs, i)], "actions": [], "rewards": []}
+            else:
+                ep["obs"].append(_row(obs, i))
+                resetting[i] = True
             done_eps.append(Episode(
                 images={cam: np.stack([o[0][cam] for o in ep["obs"]]) for cam in ep["obs"][0][0]},
                 state=np.stack([o[1] for o in ep["obs"]]), actions=np.stack(ep["actions"]), task=ep["obs"][0][2],
-                rewards=np.asarray(ep["rewards"], np.float32), success=success, seed=seeds[i],
+                rewards=np.asarray(ep["rewards"], np.float32), success=bool(flags[i]) if flags is not None else False,
+                seed=seeds[i],
             ))  # fmt: skip
             seeds[i] = None  # later episodes of env i continue its RNG: no seed of their own
-            open_eps[i] = {"obs": [_row(obs, i)], "actions": [], "rewards": []}
     return done_eps[:episodes]
 
 
@@ -180,8 +199,24 @@ def target_expert(obs: dict[str, Any]) -> np.ndarray:
     return np.asarray(obs["state"], np.float32)[:, :1].copy()
 
 
-EXPERTS: dict[str, Callable[[dict[str, Any]], np.ndarray]] = {"target": target_expert}
-"""Scripted experts by env name (`phyai_gym.make_env` names)."""
+def panda_expert(envs: Any) -> Callable[[dict[str, Any]], Any]:
+    """The MuJoCo Warp Panda tasks' scripted expert for `envs` (`wrappers.adapters.panda_tasks.scripted_action`).
+
+    It reads privileged simulator state (the cube's pose, the goal) from `envs.task_state()`, not the observation;
+    the policy sees the cube only in the camera images.
+    """
+    from wrappers.adapters.panda_tasks import scripted_action
+
+    return lambda obs: scripted_action(envs.task, envs.task_state())
+
+
+EXPERTS: dict[str, Callable[[Any], Callable[[dict[str, Any]], Any]]] = {
+    "target": lambda envs: target_expert,
+    "mjwarp_push_cube": panda_expert,
+    "mjwarp_pick_cube": panda_expert,
+}
+"""Scripted experts by env name (`phyai_gym.make_env` names): ``EXPERTS[name](envs)`` is the batched expert
+``obs -> (N, A) actions`` for those envs (an expert may read the simulator's privileged state)."""
 
 
 @dataclass

@@ -33,3 +33,21 @@ def test_sft_loss_falls_on_scripted_demos_and_the_checkpoint_loads(tmp_path):
     assert (tmp_path / "demos.h5").is_file() and (tmp_path / "demos.json").is_file()
     loaded = make_policy(tmp_path / "out")
     assert loaded.action_dim == 1
+
+
+def test_sft_on_warp_push_cube_saves_a_checkpoint_that_reads_both_cameras_and_acts_in_chunks(tmp_path):
+    """MuJoCo Warp on the CPU: expert demos recorded, the rendered cameras fill the model's slots, C and K saved."""
+    import pytest
+
+    pytest.importorskip("mujoco_warp")
+    sft = _sft_module()
+    args = sft.Args(env="mjwarp_push_cube", image_size=16, cameras="image,wrist_image", record_episodes=2,
+                    record_envs=2, demos=str(tmp_path / "push.h5"), steps=2, batch_size=4, log_every=1,
+                    action_chunk=5, denoise_steps=3, csv=None, out=str(tmp_path / "out"), eval_episodes=2,
+                    quiet=True)  # fmt: skip
+    result = sft.train(args)
+    assert 0.0 <= result["success_rate"] <= 1.0
+    loaded = make_policy(tmp_path / "out")
+    assert loaded.action_dim == 7
+    assert loaded.processor.config.camera_map == {"image": "base_0_rgb", "wrist_image": "left_wrist_0_rgb"}
+    assert (loaded.rollout.action_chunk, loaded.rollout.num_steps) == (5, 3)

@@ -43,3 +43,26 @@ def test_chunks_are_padded_and_masked_past_the_episode_end(tmp_path):
     assert batch.actions.shape == (1, 4, 1) and batch.obs["task"] == ["move to the target"]
     with pytest.raises(FileNotFoundError, match="record them first"):
         read_demos(tmp_path / "missing.h5")
+
+
+def test_warp_push_cube_demos_record_and_read_back(tmp_path):
+    """MuJoCo Warp (torch observations, NEXT_STEP autoreset) on the CPU: the scripted expert's episodes round-trip."""
+    pytest.importorskip("mujoco_warp")
+    from phyai_gym.train.demos import EXPERTS
+
+    envs = make_env("mjwarp_push_cube", 2, image_size=16, cameras=("image",), device="cpu")
+    episodes = record_demos(envs, EXPERTS["mjwarp_push_cube"](envs), 3, seed=100)
+    envs.close()
+    assert len(episodes) == 3 and any(e.success for e in episodes)  # the expert succeeds in ~90 % of episodes
+    for e in episodes:
+        assert e.actions.shape == (e.length, 7) and 1 <= e.length <= 50
+        assert e.images["image"].shape == (e.length + 1, 16, 16, 3) and e.images["image"].dtype == np.uint8
+        assert e.state.shape == (e.length + 1, 16) and np.abs(e.actions).max() <= 1.0
+    assert {e.seed for e in episodes} <= {100, 101, None} and episodes[2].seed is None  # a second episode: no seed
+    back = read_demos(write_demos(tmp_path / "push.h5", episodes, {"env_id": "mjwarp_push_cube"}))
+    for a, b in zip(episodes, back):
+        np.testing.assert_array_equal(a.actions, b.actions)
+        np.testing.assert_array_equal(a.images["image"], b.images["image"])
+        np.testing.assert_array_equal(a.state, b.state)
+        assert (a.task, a.success, a.length) == (b.task, b.success, b.length) == (b.task, b.success, len(b.actions))
+    assert back[0].task == "push the cube to the red target"

@@ -1,0 +1,180 @@
+"""Does SFT then PPO improve PI0.5 on a real simulator task on the CPU? (issue 40, "Real improvement")
+
+Per seed, the whole user sequence, each step the command a user runs (in this process):
+
+1. ``examples/sft_pi05.py --env mjwarp_push_cube --record-episodes N``: the scripted expert (privileged cube pose)
+   records N demos, the tiny PI0.5 is behaviour-cloned on them;
+2. ``phyai-gym eval --checkpoint SFT --episodes K`` (deterministic): success with its Wilson 95 % interval;
+3. ``examples/ppo_pi05.py --checkpoint SFT --run-dir RUN``: PPO from the SFT policy (its curve and plot in RUN);
+4. ``phyai-gym eval --checkpoint RUN/checkpoints/last/pretrained_model``: success after PPO.
+
+One row per seed and a pooled row (all seeds' episodes) go to ``results/real_task_rl.jsonl``; each seed's PPO curve
+is plotted with `phyai_gym.train.curves.plot_curves` into ``plots/real_task_rl_seed<k>.png``.
+
+    python -m benchmarks.real_task_rl                       # 3 seeds, tiny config, push-cube, 64 px (CPU)
+    python -m benchmarks.real_task_rl --seeds 1 --ppo-iterations 5 --eval-episodes 16   # a quick look
+"""
+
+from __future__ import annotations
+
+import csv
+import math
+import runpy
+import sys
+import tempfile
+import time
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+from benchmarks.common import write_rows
+from phyai_gym import cli
+from phyai_gym.dataclass_cli import parse_dataclass
+from phyai_gym.evaluation import EPISODES_FILE, read_jsonl, wilson_interval
+from phyai_gym.train.curves import plot_curves
+
+BENCH = "real_task_rl"
+ROOT = Path(__file__).resolve().parents[1]
+PLOTS = Path(__file__).resolve().parent / "plots"
+
+
+@dataclass
+class Args:
+    """SFT then PPO on a MuJoCo Warp Panda task, success measured by phyai-gym eval before and after."""
+
+    env: str = "mjwarp_push_cube"
+    """the task (a make_env name with a scripted expert in phyai_gym.train.demos.EXPERTS)"""
+    seeds: int = 3
+    """number of seeds (each: its own demos, SFT weights, PPO run and eval episodes)"""
+    first_seed: int = 1
+    """the first seed (seeds first_seed .. first_seed + seeds - 1)"""
+    demos: int = 64
+    """expert episodes recorded for SFT"""
+    sft_steps: int = 400
+    """SFT optimizer steps (batch 32)"""
+    sft_trainable: str = "all"
+    """what SFT trains: "all" (the random tiny vision tower and LM too: they must learn to see the cube) or
+    "expert" """
+    image_size: int = 64
+    """camera image side (the env renders it; the processor resizes to the tiny vision tower's input); at 32 px the
+    4 cm cube is about one pixel"""
+    cameras: str = "image"
+    """cameras rendered for SFT and PPO (the tiny policy reads "image")"""
+    action_chunk: int = 5
+    """C, env steps per policy call (SFT saves it; PPO and eval use it)"""
+    denoise_steps: int = 5
+    """K, Euler denoise steps"""
+    ppo_iterations: int = 12
+    """PPO iterations"""
+    num_envs: int = 16
+    """PPO's parallel envs"""
+    num_steps: int = 10
+    """PPO's chunks per env per rollout (10 x C = 50: one episode)"""
+    learning_rate: float = 3e-3
+    """PPO actor learning rate (tiny sizes; a checkpoint defaults to base-sized rates)"""
+    value_lr: float = 3e-3
+    """PPO value-head learning rate"""
+    eval_episodes: int = 48
+    """episodes of each phyai-gym eval (deterministic)"""
+    eval_envs: int = 16
+    """phyai-gym eval's --num-envs"""
+    work_dir: str | None = None
+    """keep demos, checkpoints, runs and eval folders here (None: a temporary folder)"""
+    out: str | None = None
+    """folder of the JSONL and the plots (None: benchmarks/results/ and benchmarks/plots/)"""
+
+    @property
+    def config(self) -> str:
+        """The recipe in one string (the rows' ``config`` field)."""
+        return (f"tiny,{self.image_size}px,{self.cameras},C={self.action_chunk},K={self.denoise_steps},"
+                f"sft={self.sft_trainable},sft_steps={self.sft_steps},ppo N={self.num_envs} T={self.num_steps} "
+                f"lr={self.learning_rate:g}/{self.value_lr:g}")  # fmt: skip
+
+
+def _example(name: str, argv: list[str]) -> None:
+    """Runs ``examples/<name>`` with `argv` as its command line, in this process (as a user runs it)."""
+    saved = sys.argv
+    try:
+        sys.argv = [name, *argv]
+        runpy.run_path(str(ROOT / "examples" / name), run_name="__main__")
+    finally:
+        sys.argv = saved
+
+
+def evaluate(args: Args, checkpoint: Path, out: Path, seed: int) -> tuple[int, int]:
+    """(successes, episodes) of ``phyai-gym eval`` on `checkpoint` (deterministic, seeds from `seed`)."""
+    code = cli.main(["eval", "--env", args.env, "--checkpoint", str(checkpoint), "--episodes", str(args.eval_episodes),
+                     "--num-envs", str(args.eval_envs), "--image-size", str(args.image_size), "--action-chunk",
+                     str(args.action_chunk), "--seed", str(seed), "--out", str(out)])  # fmt: skip
+    if code != 0:
+        raise RuntimeError(f"phyai-gym eval of {checkpoint} exited with {code}")
+    _, rows = read_jsonl(out / EPISODES_FILE)
+    return sum(bool(r["success"]) for r in rows), len(rows)
+
+
+def one_seed(args: Args, seed: int, work: Path) -> dict:
+    """SFT, eval, PPO, eval for one seed; returns its row (and its PPO curve under ``curve``)."""
+    work.mkdir(parents=True, exist_ok=True)
+    sft, run = work / "sft", work / "ppo"
+    started = time.perf_counter()
+    _example("sft_pi05.py", ["--env", args.env, "--seed", str(seed), "--record-episodes", str(args.demos),
+                             "--demos", str(work / "demos.h5"), "--steps", str(args.sft_steps), "--image-size",
+                             str(args.image_size), "--cameras", args.cameras, "--action-chunk", str(args.action_chunk),
+                             "--denoise-steps", str(args.denoise_steps), "--trainable", args.sft_trainable,
+                             "--out", str(sft), "--csv",
+                             str(work / "sft_curve.csv"), "--eval-episodes", "0", "--log-every", "50"])  # fmt: skip
+    sft_s = time.perf_counter() - started
+    eval_seed = 10_000 * seed  # the same episodes before and after PPO, apart from the demos' and PPO's seeds
+    sft_k, sft_n = evaluate(args, sft, work / "eval_sft", eval_seed)
+    started = time.perf_counter()
+    _example("ppo_pi05.py", ["--env", args.env, "--seed", str(seed), "--checkpoint", str(sft), "--run-dir", str(run),
+                             "--image-size", str(args.image_size), "--cameras", args.cameras, "--action-chunk",
+                             str(args.action_chunk), "--denoise-steps", str(args.denoise_steps), "--num-envs",
+                             str(args.num_envs), "--num-steps", str(args.num_steps), "--total-iterations",
+                             str(args.ppo_iterations), "--learning-rate", str(args.learning_rate), "--value-lr",
+                             str(args.value_lr), "--eval-episodes", "0"])  # fmt: skip
+    ppo_s = time.perf_counter() - started
+    ppo_k, ppo_n = evaluate(args, run / "checkpoints" / "last" / "pretrained_model", work / "eval_ppo", eval_seed)
+    with (run / "curve.csv").open() as handle:
+        curve = [{k: float(v) if v not in ("", None) else float("nan") for k, v in r.items()}
+                 for r in csv.DictReader(handle)]  # fmt: skip
+    plots = PLOTS if args.out is None else Path(args.out)  # a run elsewhere keeps its plots beside its rows
+    plot_curves(curve, plots / f"{BENCH}_seed{seed}.png", title=f"PPO from SFT, tiny PI0.5, {args.env}, seed {seed}")
+    return {
+        "seed": seed, "sft_successes": sft_k, "sft_episodes": sft_n, "ppo_successes": ppo_k, "ppo_episodes": ppo_n,
+        "sft_s": round(sft_s, 1), "ppo_s": round(ppo_s, 1),
+        "ppo_rollout_success": [None if math.isnan(r["success_rate"]) else round(r["success_rate"], 3) for r in curve],
+    }  # fmt: skip
+
+
+def _rates(k_sft: int, n_sft: int, k_ppo: int, n_ppo: int) -> dict:
+    sft_ci, ppo_ci = wilson_interval(k_sft, n_sft), wilson_interval(k_ppo, n_ppo)
+    return {
+        "sft_success": k_sft / n_sft, "sft_ci": [round(v, 3) for v in sft_ci],
+        "ppo_success": k_ppo / n_ppo, "ppo_ci": [round(v, 3) for v in ppo_ci],
+        "gain_points": round(100 * (k_ppo / n_ppo - k_sft / n_sft), 1),
+        "intervals_overlap": bool(ppo_ci[0] <= sft_ci[1]),
+    }  # fmt: skip
+
+
+def run(args: Args) -> list[dict]:
+    """Every seed (its row written as soon as it is measured), then the pooled row; returns the rows written."""
+    common = {"env": args.env, "config": args.config, "demos": args.demos, "iterations": args.ppo_iterations,
+              "eval_episodes": args.eval_episodes, "settings": asdict(args)}  # fmt: skip
+    keys = ("sft_successes", "sft_episodes", "ppo_successes", "ppo_episodes")
+    written, results = [], []
+    with tempfile.TemporaryDirectory() as tmp:
+        work = Path(args.work_dir or tmp)
+        for seed in range(args.first_seed, args.first_seed + args.seeds):
+            r = one_seed(args, seed, work / f"seed{seed}")
+            results.append(r)
+            written += write_rows(BENCH, [{**common, "seeds": [seed], **_rates(*(r[k] for k in keys)), **r}], args.out)
+    if len(results) > 1:
+        total = [sum(r[k] for r in results) for k in keys]
+        pooled = {**common, "seeds": [r["seed"] for r in results], "seed": "pooled", **_rates(*total),
+                  **dict(zip(keys, total))}  # fmt: skip
+        written += write_rows(BENCH, [pooled], args.out)
+    return written
+
+
+if __name__ == "__main__":
+    run(parse_dataclass(Args))

@@ -1,0 +1,23 @@
+"""benchmarks/real_task_rl.py end to end at toy sizes: SFT, eval, PPO, eval per seed, rows with Wilson intervals."""
+
+from __future__ import annotations
+
+import pytest
+
+from benchmarks import real_task_rl
+from benchmarks.summary import read_rows
+
+
+def test_two_seeds_give_a_row_each_and_a_pooled_row(tmp_path):
+    pytest.importorskip("mujoco_warp")
+    args = real_task_rl.Args(seeds=2, demos=2, sft_steps=2, image_size=16, ppo_iterations=1, num_envs=2,
+                             num_steps=2, eval_episodes=2, eval_envs=2, work_dir=str(tmp_path / "work"),
+                             out=str(tmp_path))  # fmt: skip
+    rows = real_task_rl.run(args)
+    assert [r["seed"] for r in rows] == [1, 2, "pooled"] and rows[-1]["seeds"] == [1, 2]
+    for r in rows[:2]:
+        assert r["sft_episodes"] == r["ppo_episodes"] == 2 and len(r["ppo_rollout_success"]) == 1
+        assert 0.0 <= r["sft_ci"][0] <= r["sft_success"] <= r["sft_ci"][1] <= 1.0
+    assert rows[-1]["sft_episodes"] == 4 and rows[-1]["sft_successes"] == sum(r["sft_successes"] for r in rows[:2])
+    assert read_rows(tmp_path / "real_task_rl.jsonl") == rows
+    assert (tmp_path / "work" / "seed2" / "ppo" / "checkpoints" / "last" / "pretrained_model").is_dir()

@@ -134,7 +134,6 @@ class MujocoWarpVectorEnv(VectorEnv):
         self._read_every = 1
         self._steps_since_reset = 0
         self._images: dict[str, torch.Tensor] = {}
-        self._ee_target = pt.EETarget(torch.zeros(n, 3, device=dev), torch.eye(3, device=dev).repeat(n, 1, 1))
         self._last_success = torch.zeros(n, dtype=torch.bool, device=dev)
         self.render_count = 0
         """Batch renders so far (resets included): what on-demand rendering saves is visible here."""
@@ -331,18 +330,11 @@ class MujocoWarpVectorEnv(VectorEnv):
         todo = wanted if thaw else wanted & ~self._frozen
         self._reset_worlds(todo, seeds)
         self._launch(self._kinematics_graph, lambda: self._mjw.kinematics(self.m, self.d))
-        self._aim_at_tcp(todo)
         self._hold_frozen()
         self._steps_since_reset = 0
         if bool(todo.any()) or not self._images:
             self._render()
         return self._obs(), {"success": self._last_success.clone(), "is_success": self._last_success.clone()}
-
-    def _aim_at_tcp(self, rows: torch.Tensor) -> None:
-        """The controller's target pose of worlds `rows` becomes their current TCP pose (after a reset)."""
-        tcp_pos, tcp_rot = self._site_xpos[:, self._tcp_site], self._site_xmat[:, self._tcp_site]
-        self._ee_target.pos = torch.where(rows[:, None], tcp_pos, self._ee_target.pos)
-        self._ee_target.rot = torch.where(rows[:, None, None], tcp_rot, self._ee_target.rot)
 
     def _hold_frozen(self) -> None:
         """Keeps frozen worlds at their terminal joint state (their images then show the terminal state)."""
@@ -364,17 +356,17 @@ class MujocoWarpVectorEnv(VectorEnv):
         actions = actions.clamp(-1.0, 1.0)
         arm = slice(0, pt.ARM_JOINTS)
         jac = pt.tcp_jacobian(self._site_xpos[:, self._tcp_site], self._xanchor[:, arm], self._xaxis[:, arm])
-        tcp_pos, tcp_rot = self._site_xpos[:, self._tcp_site], self._site_xmat[:, self._tcp_site]
-        targets = pt.ee_delta_targets(actions, self._ee_target, tcp_pos, tcp_rot, self._qpos[:, arm], jac,
-                                      self._ctrl_low, self._ctrl_high)  # fmt: skip
+        targets = pt.ee_delta_targets(actions, self._qpos[:, arm], jac, self._ctrl_low, self._ctrl_high)
         self._ctrl.copy_(targets)
         self._launch(self._physics_graph, self._physics)
         self._hold_frozen()
         pending = self._pending_reset.clone()
-        if bool(pending.any()):  # NEXT_STEP autoreset (freezing off): the step after an end resets the world
+        # NEXT_STEP autoreset (freezing off): the step after an end resets the world; under freezing none is
+        # pending, and the check (a host sync) is skipped
+        autoreset = not self._freezing and bool(pending.any())
+        if autoreset:
             self._reset_worlds(pending, None)
         self._launch(self._kinematics_graph, lambda: self._mjw.kinematics(self.m, self.d))
-        self._aim_at_tcp(pending)
         self._elapsed += (~self._frozen & ~pending).long()
         reward, success = self.task.evaluate(self.task_state())
         idle = self._frozen | pending
@@ -391,7 +383,7 @@ class MujocoWarpVectorEnv(VectorEnv):
             self._pending_reset = done
         self._last_success = success
         self._steps_since_reset += 1
-        if self._read_every == 1 or self._steps_since_reset % self._read_every == 0 or bool(pending.any()):
+        if self._read_every == 1 or self._steps_since_reset % self._read_every == 0 or autoreset:
             self._render()
         info = {"success": success, "is_success": success.clone(), "elapsed_steps": self._elapsed.clone()}
         return self._obs(), reward, terminated, truncated, info

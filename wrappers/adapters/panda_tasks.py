@@ -10,10 +10,9 @@ never copies simulator state to the host while stepping.
   the hand and looks between the fingers.
 * Controller (`ee_delta_targets`): ManiSkill's end-effector delta pose control -- a 7-dim action in [-1, 1]: xyz
   delta of the tool centre point (TCP) in the robot base frame (x 0.1 m), rotation delta as an axis-angle vector
-  in that frame (x 0.1 rad), gripper (-1 closed, +1 open). Deltas move a TCP target pose (as ManiSkill's
-  ``pd_ee_target_delta_pose``: a zero action holds the pose, and the joints' different PD lags cannot bend a
-  straight move); each step one damped least-squares step on the TCP Jacobian turns the pose error into joint
-  targets that the Panda's position actuators track.
+  in that frame (x 0.1 rad), gripper (-1 closed, +1 open), taken from the current TCP pose as ManiSkill's
+  ``pd_ee_delta_pose``; one damped least-squares step on the TCP Jacobian turns the delta into joint targets that
+  the Panda's position actuators track (with gravity compensated, a zero action holds the pose).
 * Tasks (`PICK_CUBE`, `PUSH_CUBE`): ManiSkill3's PickCube-v1 and PushCube-v1 rules -- success, normalised dense
   reward, 50-step episodes -- on this scene.
 """
@@ -30,7 +29,6 @@ import torch
 
 __all__ = [
     "ARM_JOINTS",
-    "EETarget",
     "PICK_CUBE",
     "PUSH_CUBE",
     "TASKS",
@@ -55,10 +53,8 @@ CUBE_HALF = 0.02
 POS_SCALE = 0.1
 ROT_SCALE = 0.1
 IK_DAMPING = 1e-2
-TARGET_LEAD = 0.25
 EXPERT_GAIN = 0.5
 PUSH_SPEED = 0.3
-TARGET_LEAD_ROT = 0.3
 JOINT_DAMPING = 10.0
 SOLVER_ITERATIONS = 10
 ARM_GAIN = 4.0
@@ -256,21 +252,6 @@ def tcp_jacobian(tcp_pos: torch.Tensor, anchors: torch.Tensor, axes: torch.Tenso
     return torch.cat([linear, axes], dim=-1).transpose(1, 2)
 
 
-def axis_angle_to_matrix(vec: torch.Tensor) -> torch.Tensor:
-    """(N, 3) axis-angle vectors -> (N, 3, 3) rotation matrices (Rodrigues' formula).
-
-    Example:
-        >>> axis_angle_to_matrix(torch.tensor([[0.0, 0.0, math.pi / 2]])).round(decimals=3)[0, :2].tolist()
-        [[0.0, -1.0, 0.0], [1.0, 0.0, 0.0]]
-    """
-    angle = torch.linalg.norm(vec, dim=-1, keepdim=True).clamp(min=1e-12)
-    x, y, z = (vec / angle).unbind(-1)
-    zero = torch.zeros_like(x)
-    k = torch.stack([zero, -z, y, z, zero, -x, -y, x, zero], dim=-1).view(-1, 3, 3)
-    s, c = torch.sin(angle)[..., None], torch.cos(angle)[..., None]
-    return torch.eye(3, device=vec.device, dtype=vec.dtype) + s * k + (1 - c) * (k @ k)
-
-
 def matrix_to_axis_angle(rot: torch.Tensor) -> torch.Tensor:
     """(N, 3, 3) rotation matrices -> (N, 3) axis-angle vectors (angle in [0, pi])."""
     q = matrix_to_quat(rot)
@@ -280,53 +261,26 @@ def matrix_to_axis_angle(rot: torch.Tensor) -> torch.Tensor:
     return torch.where(norm > 1e-9, v / norm.clamp(min=1e-12) * angle, 2 * v)
 
 
-def _clamp_norm(vec: torch.Tensor, limit: float) -> torch.Tensor:
-    norm = torch.linalg.norm(vec, dim=-1, keepdim=True)
-    return vec * torch.clamp(limit / norm.clamp(min=1e-12), max=1.0)
-
-
-@dataclass
-class EETarget:
-    """The controller's TCP target pose per world: position (N, 3) and rotation (N, 3, 3), in the base frame."""
-
-    pos: torch.Tensor
-    rot: torch.Tensor
-
-
 def ee_delta_targets(
-    action: torch.Tensor,
-    target: EETarget,
-    tcp_pos: torch.Tensor,
-    tcp_rot: torch.Tensor,
-    arm_qpos: torch.Tensor,
-    jacobian: torch.Tensor,
-    low: torch.Tensor,
-    high: torch.Tensor,
+    action: torch.Tensor, arm_qpos: torch.Tensor, jacobian: torch.Tensor, low: torch.Tensor, high: torch.Tensor
 ) -> torch.Tensor:
-    """Actuator targets (N, 8) for (N, 7) end-effector delta actions in [-1, 1]; moves `target` in place.
+    """Actuator targets (N, 8) for (N, 7) end-effector delta actions in [-1, 1].
 
-    The TCP target pose moves by the action's delta (``POS_SCALE`` m, ``ROT_SCALE`` rad about base-frame axes),
-    kept within ``TARGET_LEAD`` m / ``TARGET_LEAD_ROT`` rad of the current TCP (a blocked arm does not wind
-    up); the pose error to it becomes a joint delta by damped least squares on the TCP Jacobian,
-    ``dq = J^T (J J^T + lambda^2 I)^-1 e``, added to the current joints; the gripper maps -1..1 to closed..open.
+    The pose delta (``POS_SCALE`` m, ``ROT_SCALE`` rad about base-frame axes) becomes a joint delta by damped least
+    squares on the TCP Jacobian, ``dq = J^T (J J^T + lambda^2 I)^-1 dx``, added to the current joints; the gripper
+    maps -1..1 to closed..open; everything is clipped to the actuators' ranges.
 
     Example:
         >>> j = torch.cat([torch.eye(6), torch.zeros(6, 1)], 1)[None]
-        >>> target = EETarget(torch.zeros(1, 3), torch.eye(3)[None])
-        >>> t = ee_delta_targets(torch.tensor([[1., 0, 0, 0, 0, 0, 1]]), target, torch.zeros(1, 3),
-        ...                      torch.eye(3)[None], torch.zeros(1, 7), j, -torch.ones(8), torch.ones(8))
-        >>> [round(v, 3) for v in t[0].tolist()], target.pos.tolist()
-        ([0.1, 0.0, 0.0, 0.0, 0.0, 0.0, 0.0, 0.04], [[0.10000000149011612, 0.0, 0.0]])
+        >>> t = ee_delta_targets(torch.tensor([[1., 0, 0, 0, 0, 0, 1]]), torch.zeros(1, 7), j,
+        ...                      -torch.ones(8), torch.ones(8))
+        >>> [round(v, 3) for v in t[0].tolist()]
+        [0.1, 0.0, 0.0, 0.0, 0.0, 0.0, 0.0, 0.04]
     """
-    target.pos, target.rot = tcp_pos, tcp_rot
-    target.pos = tcp_pos + _clamp_norm(target.pos + action[:, :3] * POS_SCALE - tcp_pos, TARGET_LEAD)
-    rot = axis_angle_to_matrix(action[:, 3:6] * ROT_SCALE) @ target.rot
-    rot_error = _clamp_norm(matrix_to_axis_angle(rot @ tcp_rot.transpose(1, 2)), TARGET_LEAD_ROT)
-    target.rot = axis_angle_to_matrix(rot_error) @ tcp_rot
-    error = torch.cat([target.pos - tcp_pos, rot_error], dim=-1)
+    dx = torch.cat([action[:, :3] * POS_SCALE, action[:, 3:6] * ROT_SCALE], dim=-1)
     eye = torch.eye(6, device=action.device, dtype=jacobian.dtype)
     gram = jacobian @ jacobian.transpose(1, 2) + IK_DAMPING**2 * eye
-    dq = (jacobian.transpose(1, 2) @ torch.linalg.solve(gram, error[..., None]))[..., 0]
+    dq = (jacobian.transpose(1, 2) @ torch.linalg.solve(gram, dx[..., None]))[..., 0]
     finger = (action[:, 6:7] + 1) / 2 * FINGER_OPEN
     return torch.clamp(torch.cat([arm_qpos + dq, finger], dim=-1), low, high)
 

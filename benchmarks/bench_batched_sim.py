@@ -140,7 +140,7 @@ def ppo(task: str, n: int, config: str, chunk: int, iterations: int, device: tor
         curve = Path(folder) / "curve.csv"
         argv = ["ppo_pi05.py", "--env", f"mjwarp_{task}", "--config", config, "--device", str(device),
                 "--num-envs", str(n), "--num-steps", "4", "--action-chunk", str(chunk), "--total-iterations",
-                str(iterations), "--eval-episodes", "0", "--csv", str(curve)]  # fmt: skip
+                str(iterations), "--num-minibatches", "8", "--eval-episodes", "0", "--csv", str(curve)]  # fmt: skip
         started, saved = time.perf_counter(), sys.argv
         try:  # the example as a user runs it, in this process
             sys.argv = argv
@@ -153,7 +153,8 @@ def ppo(task: str, n: int, config: str, chunk: int, iterations: int, device: tor
     mean = lambda key: sum(float(r[key]) for r in rows) / len(rows)  # noqa: E731
     write_rows(BENCH, [dict(
         kind="ppo",
-        sim="mujoco_warp", task=task, config=config, num_envs=n, chunk=chunk, num_steps=4, iterations=len(rows),
+        sim="mujoco_warp", task=task, config=config, num_envs=n, chunk=chunk, num_steps=4, num_minibatches=8,
+        iterations=len(rows),
         finite=all(math.isfinite(x) for x in numbers), wall_s=wall, rollout_s_mean=mean("time_rollout"),
         update_s_mean=mean("time_train"), sync_s_mean=mean("time_sync"), approx_kl_mean=mean("approx_kl"),
         clipfrac_mean=mean("clipfrac"), explained_variance_last=float(rows[-1]["explained_variance"]),

@@ -445,9 +445,9 @@ def evaluate_success(
         start_all()
         while any(a is not None for a in active) and new_rows < budget:
             obs, _, _, _, infos = env.step()
-            ended = np.asarray(infos.get("_episode", np.zeros(n, bool)))
+            ended = _host(infos.get("_episode", np.zeros(n, bool)))
             if bar is not None and limit:
-                executed = np.asarray(infos["substep_mask"]).sum(axis=1)
+                executed = _host(infos["substep_mask"]).sum(axis=1)
                 bar.update(int(sum(executed[slot] for slot in range(n) if active[slot] is not None)))
             for slot in range(n):
                 episode = active[slot]
@@ -455,16 +455,16 @@ def evaluate_success(
                     continue
                 if not ended[slot] or new_rows >= budget:
                     continue
-                stats = infos["episode"]
+                stats = {k: _host(v) for k, v in infos["episode"].items()}
                 measured = "success" in infos  # the env reports a success flag (Gymnasium MuJoCo does not)
-                flags = {k: bool(np.asarray(stats[k])[slot]) if measured else None for k in SUCCESS_METRICS}
+                flags = {k: bool(stats[k][slot]) if measured else None for k in SUCCESS_METRICS}
                 row = {
                     "type": "episode",
                     **asdict(episode),
                     "success": flags[primary_metric],
                     **flags,
-                    "return": float(np.asarray(stats["r"])[slot]),
-                    "length": int(np.asarray(stats["l"])[slot]),
+                    "return": float(stats["r"][slot]),
+                    "length": int(stats["l"][slot]),
                     "slot": slot,
                 }
                 rows.append(row)
@@ -501,6 +501,11 @@ def evaluate_success(
             result.plot = plot_success(result.tasks, result.overall, out / PLOT_FILE)
         result.videos = _write_videos(frames, out / "videos", recorder.fps if recorder is not None else 20.0)
     return result
+
+
+def _host(x: Any) -> np.ndarray:
+    """A per-env flag or statistic as a numpy array (device envs report torch tensors on their device)."""
+    return x.detach().cpu().numpy() if isinstance(x, torch.Tensor) else np.asarray(x)
 
 
 def _postfix(bar: Any, text: str) -> None:

@@ -85,6 +85,7 @@ TABLES: dict[str, Table] = {
         ("task", "config", "num_envs", "chunk", "num_steps"),
         ("iterations", "finite", "rollout_s_mean", "update_s_mean", "sync_s_mean", "approx_kl_mean", "clipfrac_mean"),
     ),
+    "batched_sim.eval": Table(("task", "policy", "episodes"), ("success_rate", "mean_return", "mean_length")),
     "cpu_sim_loop": Table(
         ("policy", "device", "env", "workers", "vectorization", "render", "image_size", "chunk", "mujoco_gl"),
         ("env_steps_per_s", "on_demand_speedup", "policy_ms_per_chunk", "env_ms_per_chunk", "policy_share"),

@@ -6,7 +6,7 @@ Rows go to results/batched_sim.jsonl (or --out), told apart by ``kind``:
   rollout   `PolicyVectorEnv` over the env with the full-size PI0.5 (LIBERO RL setting: 2 cameras,
                         K = 5, H = 10, C = 5): env-steps/s of the loop, policy_ms_p50 (one act() on the chunk's
                         observation), sim_ms_p50 and render_ms_p50 per chunk, the simulator's share of a step, and
-                        the policy-alone rate at the same N.
+                        the policy-alone rate at the same N (N > --policy-batch: in equal groups).
   startup   seconds from the constructor to the first observation, cold (empty kernel cache) and
                         warm (the cache the cold run filled); --startup runs one start and prints its row.
   ppo       examples/ppo_pi05.py on the task (--ppo-iterations, default 5): per-iteration rollout /
@@ -71,29 +71,41 @@ def env_only(task: str, n: int, image_size: int, chunk: int, device: torch.devic
     return rows
 
 
-def rollout(task: str, n: int, image_size: int, chunk: int, config: str, device: torch.device, iters: int) -> dict:
-    """The PolicyVectorEnv loop with PI0.5, and its parts at the same N."""
+def rollout(
+    task: str, n: int, image_size: int, chunk: int, config: str, device: torch.device, iters: int, policy_batch: int
+) -> dict:
+    """The PolicyVectorEnv loop with PI0.5, and its parts at the same N.
+
+    N above `policy_batch` is split into G = ceil(N / policy_batch) groups of N / G worlds: one Warp batch and one
+    policy call each, which PolicyVectorEnv runs one after another (the full-size policy at 1024 samples in one
+    call does not fit in 80 GB).
+    """
     from wrappers.adapters.mujoco_warp import make_mujoco_warp_env
     from wrappers.policy_vector_env import PolicyVectorEnv
 
-    env = make_mujoco_warp_env(task, n, image_size=image_size, device=device)
-    policy = build_pi05(config, device, CAMERA_MAP, [n], 5, 10, chunk, state_dim=env.task.state_dim)
-    loop = PolicyVectorEnv(env, policy, action_chunk=chunk)
+    groups = -(-n // policy_batch)
+    if n % groups:
+        raise ValueError(f"--sizes: N = {n} does not split into {groups} equal groups; pick N divisible by {groups}.")
+    envs = [make_mujoco_warp_env(task, n // groups, image_size=image_size, device=device) for _ in range(groups)]
+    policy = build_pi05(config, device, CAMERA_MAP, [n // groups], 5, 10, chunk, state_dim=envs[0].task.state_dim)
+    loop = PolicyVectorEnv(envs, policy, action_chunk=chunk, groups=groups)
     obs, _ = loop.reset(seed=0)
     for _ in range(2):
         loop.step()
     totals = [_timed(loop.step, device) for _ in range(iters)]
-    policy_ms = [_timed(lambda: policy.act(obs, action_chunk=chunk), device) for _ in range(iters)]
-    actions = torch.rand(chunk, n, 7, device=device) * 2 - 1
-    renders_before = env.render_count
-    sim_ms = [_timed(lambda: [env.step(a) for a in actions], device) for _ in range(iters)]
-    chunks_rendered = (env.render_count - renders_before) / iters
-    render_ms = [_timed(env._render, device) for _ in range(iters)]
+    group_obs = envs[0].reset(seed=0)[0]
+    policy_ms = [groups * _timed(lambda: policy.act(group_obs, action_chunk=chunk), device) for _ in range(iters)]
+    actions = torch.rand(chunk, n // groups, 7, device=device) * 2 - 1
+    renders_before = envs[0].render_count
+    sim_ms = [groups * _timed(lambda: [envs[0].step(a) for a in actions], device) for _ in range(iters)]
+    chunks_rendered = (envs[0].render_count - renders_before) / iters
+    render_ms = [groups * _timed(envs[0]._render, device) for _ in range(iters)]
     total, pol, sim, ren = (percentiles(x)[0] for x in (totals, policy_ms, sim_ms, render_ms))
     sim_only = sim - ren * chunks_rendered  # physics, controller and rules of C sub-steps
     return dict(
-        sim="mujoco_warp", task=task, config=config, num_envs=n, chunk=chunk, cameras=len(env.cameras),
-        image_size=image_size, env_steps_per_s=n * chunk / total * 1e3, step_ms_p50=total, policy_ms_p50=pol,
+        sim="mujoco_warp", task=task, config=config, num_envs=n, groups=groups, chunk=chunk,
+        cameras=len(envs[0].cameras), image_size=image_size, env_steps_per_s=n * chunk / total * 1e3,
+        step_ms_p50=total, policy_ms_p50=pol,
         sim_ms_p50=sim_only, render_ms_p50=ren * chunks_rendered, simulator_share=(sim_only + ren) / total,
         policy_alone_samples_per_s=n / pol * 1e3, policy_alone_env_steps_per_s=n * chunk / pol * 1e3,
     )  # fmt: skip
@@ -176,11 +188,13 @@ def main() -> None:
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu", help="cuda or cpu")
     parser.add_argument("--sections", nargs="+", default=["env_only", "rollout", "startup", "ppo"],
                         help="env_only rollout startup ppo (default all)")  # fmt: skip
+    parser.add_argument("--policy-batch", type=int, default=512,
+                        help="rollout: largest policy call; larger N runs as equal groups (default 512)")  # fmt: skip
     parser.add_argument("--ppo-envs", type=int, default=64, help="N for the PPO section (default 64)")
     parser.add_argument("--ppo-iterations", type=int, default=5, help="PPO iterations (default 5)")
     parser.add_argument("--startup", action="store_true", help="(internal) one start-up measurement, printed")
     parser.add_argument("--warp-cache", type=Path, default=None,
-                        help="empty folder the start-up rows compile into and then reuse (default: a temporary one)")
+                        help="empty folder the start-up rows compile into, then reuse (default: temp)")  # fmt: skip
     parser.add_argument("--out", type=Path, default=None, help="folder for the JSONL rows (default results/)")
     args = parser.parse_args()
     device = torch.device(args.device)
@@ -195,7 +209,7 @@ def main() -> None:
             write_rows(BENCH, [{"kind": "env_only", **row} for row in rows], args.out)
     if "rollout" in args.sections:
         for n in args.sizes:
-            row = rollout(args.task, n, args.image_size, args.chunk, args.config, device, args.iters)
+            row = rollout(args.task, n, args.image_size, args.chunk, args.config, device, args.iters, args.policy_batch)
             write_rows(BENCH, [{"kind": "rollout", **row}], args.out)
     if "startup" in args.sections:
         startup_rows(args.task, args.image_size, device, args.out, args.warp_cache)

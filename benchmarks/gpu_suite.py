@@ -48,9 +48,9 @@ def _subprocess_env() -> dict[str, str]:
 
 
 def cuda_tests(out: Path) -> None:
-    """The CUDA-marked pytest tests under tests/policies and tests/wrappers; one ``cuda_tests`` row of ``gpu_suite``."""
-    cmd = [sys.executable, "-m", "pytest", "-q", "-m", "cuda", "-p", "no:cacheprovider", "tests/policies",
-           "tests/wrappers"]  # fmt: skip
+    """CUDA tests and Triton interpreter runs under tests/policies and tests/wrappers; one ``cuda_tests`` row."""
+    cmd = [sys.executable, "-m", "pytest", "-q", "-m", "cuda or interpreter", "-p", "no:cacheprovider",
+           "tests/policies", "tests/wrappers"]  # fmt: skip
     proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=400, env=_subprocess_env())
     (out / "pytest_cuda.log").write_text(proc.stdout + proc.stderr)
     tail = (proc.stdout.strip().splitlines() or ["(no output)"])[-1]

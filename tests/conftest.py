@@ -12,6 +12,7 @@ torch.set_num_threads(1)
 
 # A plain `pytest -q` shows only a count of skips; this says why, grouped (`pytest -rs` lists every one).
 SKIP_GROUPS = (
+    (("test_interpreter_run",), "ran under Triton's CPU interpreter in a subprocess (test_interpreter_run)"),
     (("cuda", "gpu"), "need a CUDA GPU (run on one by `python -m benchmarks.gpu_suite --out DIR`)"),
     (("triton",), "need triton, which CPU torch does not install (`pip install triton`: its CPU interpreter)"),
     (("libero", "mani_skill", "maniskill", "sapien", "vulkan", "robosuite", "install_sims"),

@@ -31,7 +31,9 @@ HAS_TRITON = importlib.util.find_spec("triton") is not None
 ROOT = Path(__file__).resolve().parents[2]
 interpreted = pytest.mark.skipif(
     not rng_kernel.INTERPRETED,
-    reason="needs triton and TRITON_INTERPRET=1 at import (run by test_interpreter_run when triton is installed)",
+    reason="runs once more under TRITON_INTERPRET=1 in test_interpreter_run's subprocess"
+    if HAS_TRITON
+    else "needs triton and TRITON_INTERPRET=1 at import (`pip install triton`: its CPU interpreter)",
 )
 
 
@@ -189,8 +191,8 @@ def test_kernel_serves_integer_vectors_only() -> None:
 
 
 # ------------------------------------------------------------------------------- the kernel (interpreter)
-@pytest.mark.skipif(not HAS_TRITON or rng_kernel.INTERPRETED or torch.cuda.is_available(),
-                    reason="needs triton on a CPU-only machine; runs this file under the interpreter")  # fmt: skip
+@pytest.mark.skipif(not HAS_TRITON or rng_kernel.INTERPRETED, reason="needs triton; runs this file interpreted")
+@pytest.mark.interpreter
 def test_interpreter_run() -> None:
     env = {**os.environ, "TRITON_INTERPRET": "1", "PYTHONPATH": str(ROOT)}
     cmd = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-m", "not cuda",

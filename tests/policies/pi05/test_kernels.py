@@ -27,7 +27,9 @@ from policies.pi05.gemma import apply_rope, rope_cos_sin
 HAS_TRITON = importlib.util.find_spec("triton") is not None
 interpreted = pytest.mark.skipif(
     not kernels.INTERPRETED,
-    reason="needs triton and TRITON_INTERPRET=1 at import (run by test_interpreter_run when triton is installed)",
+    reason="runs once more under TRITON_INTERPRET=1 in test_interpreter_run's subprocess"
+    if HAS_TRITON
+    else "needs triton and TRITON_INTERPRET=1 at import (`pip install triton`: its CPU interpreter)",
 )
 ROOT = Path(__file__).resolve().parents[3]
 
@@ -43,8 +45,8 @@ def near(got: torch.Tensor, want: torch.Tensor, ulps: float) -> bool:
     return bool((got.float() - want.float()).abs().max() <= want.float().abs().max() * (ulps * 2**-7))
 
 
-@pytest.mark.skipif(not HAS_TRITON or kernels.INTERPRETED or torch.cuda.is_available(),
-                    reason="needs triton on a CPU-only machine; runs this file under the interpreter")  # fmt: skip
+@pytest.mark.skipif(not HAS_TRITON or kernels.INTERPRETED, reason="needs triton; runs this file under the interpreter")
+@pytest.mark.interpreter
 def test_interpreter_run():
     env = {**os.environ, "TRITON_INTERPRET": "1", "PYTHONPATH": str(ROOT)}
     cmd = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-k", "not test_interpreter_run",

@@ -59,8 +59,9 @@ def cpu_name() -> str:
     return platform.processor() or "unknown"
 
 
-def _set_render(envs: PolicyVectorEnv, render: str) -> None:
-    set_read_every(envs.env, 1 if render == "every_step" else envs.action_chunk)
+def _set_render(envs: PolicyVectorEnv, groups: list[Any], render: str) -> None:
+    for env in groups:
+        set_read_every(env, 1 if render == "every_step" else envs.action_chunk)
 
 
 def _timed_chunks(envs: PolicyVectorEnv, chunks: int) -> tuple[float, int]:
@@ -87,16 +88,21 @@ def _split_chunks(envs: PolicyVectorEnv, obs: Any, chunks: int) -> tuple[float, 
     return policy_s, env_s, obs
 
 
-def measure(envs: PolicyVectorEnv, chunks: int, rounds: int, split: bool) -> dict[str, dict[str, float]]:
-    """Per render mode: env-steps/s over `rounds` interleaved rounds of `chunks` steps (and the split)."""
+def measure(
+    envs: PolicyVectorEnv, groups: list[Any], chunks: int, rounds: int, split: bool
+) -> dict[str, dict[str, float]]:
+    """Per render mode: env-steps/s over `rounds` interleaved rounds of `chunks` steps (and the split).
+
+    `groups` are the vector envs under `envs` (one per group).
+    """
     obs, _ = envs.reset(seed=0)
     for render in RENDERS:  # warm-up: GL contexts, first-call allocations, the policy's first call
-        _set_render(envs, render)
+        _set_render(envs, groups, render)
         obs = envs.step()[0]
     totals = {render: {"wall_s": 0.0, "env_steps": 0, "policy_s": 0.0, "env_s": 0.0} for render in RENDERS}
     for _ in range(rounds):
         for render in RENDERS:
-            _set_render(envs, render)
+            _set_render(envs, groups, render)
             wall, steps = _timed_chunks(envs, chunks)
             totals[render]["wall_s"] += wall
             totals[render]["env_steps"] += steps
@@ -138,20 +144,25 @@ def run(args: argparse.Namespace) -> list[dict[str, Any]]:
     bench = "cpu_sim_env_only" if args.mode == "env_only" else "cpu_sim_loop"
     rows = []
     for workers in args.workers:
-        env = make_env(args.env, workers, vectorization=args.vectorization, image_size=args.image_size)
+        g = args.groups
+        sizes = [workers // g + (i < workers % g) for i in range(g)]
+        groups = [make_env(args.env, n, vectorization=args.vectorization, image_size=args.image_size) for n in sizes]
         try:
-            envs = PolicyVectorEnv(env, make_policy_for(args, env, workers), action_chunk=args.chunk)
+            policy = make_policy_for(args, groups[0], workers)
+            envs = PolicyVectorEnv(groups, policy, action_chunk=args.chunk, groups=g, prefetch=g > 1)
         except BaseException:
-            env.close()
+            for env in groups:
+                env.close()
             raise
         try:
-            results = measure(envs, args.chunks, args.rounds, split=args.mode == "cpu_sim_loop")
+            results = measure(envs, groups, args.chunks, args.rounds, split=args.mode == "cpu_sim_loop")
         finally:
             envs.close()
         speedup = results["on_demand"]["env_steps_per_s"] / results["every_step"]["env_steps_per_s"]
         for render, result in results.items():
             row = {
-                "env": args.env, "workers": workers, "vectorization": args.vectorization, "render": render,
+                "env": args.env, "workers": workers, "vectorization": args.vectorization, "groups": args.groups,
+                "render": render,
                 "image_size": args.image_size, "chunk": args.chunk, **result,
                 "on_demand_speedup": speedup, "mujoco_gl": os.environ["MUJOCO_GL"], "cpu": cpu_name(),
                 "chunks": args.chunks, "rounds": args.rounds,
@@ -169,6 +180,8 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--workers", type=int, nargs="+", default=[1], help="W envs (one async worker each)")
     parser.add_argument("--vectorization", choices=["async", "sync"], default="async")
     parser.add_argument("--image-size", type=int, default=224)
+    parser.add_argument("--groups", type=int, default=1,
+                        help="env groups the policy alternates between (prefetch when > 1)")  # fmt: skip
     parser.add_argument("--chunk", type=int, default=5, help="C, env steps per policy call")
     parser.add_argument("--chunks", type=int, default=8, help="policy steps per render mode per round")
     parser.add_argument("--rounds", type=int, default=3, help="interleaved rounds (every_step, on_demand)")

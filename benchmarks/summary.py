@@ -87,7 +87,7 @@ TABLES: dict[str, Table] = {
     ),
     "batched_sim.eval": Table(("task", "policy", "episodes"), ("success_rate", "mean_return", "mean_length")),
     "cpu_sim_loop": Table(
-        ("policy", "device", "env", "workers", "vectorization", "render", "image_size", "chunk", "mujoco_gl"),
+        ("policy", "device", "env", "workers", "vectorization", "groups", "render", "image_size", "chunk", "mujoco_gl"),
         ("env_steps_per_s", "on_demand_speedup", "policy_ms_per_chunk", "env_ms_per_chunk", "policy_share"),
     ),
     "wrapper_overlap": Table(

@@ -60,9 +60,16 @@ def _add_policy_env_arguments(parser: argparse.ArgumentParser, default_env: str 
         "--max-episode-steps", type=int, default=None, help="episode limit override (default: the env's or preset's)"
     )
     parser.add_argument(
-        "--vectorization", choices=["sync", "async"], default="sync",
+        "--vectorization", choices=["sync", "async"], default=None,
         help="sync: the N sub-envs step one after another in this process; async: one worker process per "
-        "sub-env (gymnasium AsyncVectorEnv), faster when a sub-env step costs more than the process hand-over",
+        "sub-env (gymnasium AsyncVectorEnv), faster when a sub-env step costs more than the process hand-over "
+        "(default: async for MuJoCo envs under a CUDA policy, else sync)",
+    )  # fmt: skip
+    parser.add_argument(
+        "--groups", type=int, default=None,
+        help="env groups the policy alternates between: one simulates while the policy acts for another; the "
+        "results are the same for any count; needs async sub-envs (default: 2 for MuJoCo envs under a CUDA policy, "
+        "else 1)",
     )  # fmt: skip
     parser.add_argument(
         "--threads", type=int, default=None, help="torch CPU threads (default: 1 for small policies on the CPU)"
@@ -126,6 +133,7 @@ def _config(args: argparse.Namespace, **extra: Any) -> RunConfig:
         image_size=args.image_size,
         max_episode_steps=args.max_episode_steps,
         vectorization=args.vectorization,
+        groups=args.groups,
         threads=args.threads,
         **extra,
     )
@@ -151,6 +159,7 @@ def _eval(args: argparse.Namespace) -> int:
     from phyai_gym.run import (
         action_chunk_for,
         build_env,
+        build_envs,
         build_policy,
         building_policy_message,
         check_state_fits,
@@ -204,20 +213,32 @@ def _eval(args: argparse.Namespace) -> int:
     if args.task_ids is not None:
         env_kwargs["task_ids"] = [int(t) for t in args.task_ids.split(",")]
     print(threads)
+    if args.video:  # the recorder wraps one vector env
+        if (args.groups or 1) > 1:
+            raise ValueError(
+                f"conflicting options: --video records one vector env, --groups {args.groups} asks for several. "
+                "Fix: drop --groups (or pass 1) when recording videos."
+            )
+        cfg = dataclasses.replace(cfg, groups=1)
+    build = (lambda c: build_env(c, args.preset)) if not env_kwargs else (lambda c: _protocol_env(c, dict(env_kwargs)))
     with phase(f"loading the simulator: {args.env} x {args.num_envs}"):
-        env = build_env(cfg, args.preset) if not env_kwargs else _protocol_env(cfg, env_kwargs)
+        envs = build_envs(cfg, build)
     if args.video:
-        env = FrameRecorder(env)  # every env step, not one frame per chunk
+        envs[0] = FrameRecorder(envs[0])  # every env step, not one frame per chunk
+    env = envs[0]
     try:
         with phase(building_policy_message(cfg)):
             policy, description = build_policy(cfg, int(env.single_action_space.shape[0]))
             check_state_fits(cfg, env, policy)
             chunk = action_chunk_for(cfg, policy)
-            wrapper = PolicyVectorEnv(env, policy, action_chunk=chunk, deterministic=not args.stochastic)
+            wrapper = PolicyVectorEnv(
+                envs, policy, action_chunk=chunk, deterministic=not args.stochastic, prefetch=len(envs) > 1
+            )
     except BaseException:
-        env.close()
+        for e in envs:
+            e.close()
         raise
-    limit, settle = _episode_limits(env)
+    limit, settle = _episode_limits(env, kind)
     header = {
         "env": args.env,
         "policy": args.policy or "checkpoint",
@@ -294,11 +315,14 @@ def _protocol_env(cfg: RunConfig, kwargs: dict[str, Any]) -> Any:
     if cfg.image_size is not None:
         kwargs["image_size"] = cfg.image_size
     return make_env(cfg.env, cfg.num_envs, max_episode_steps=cfg.max_episode_steps,
-                    vectorization=cfg.vectorization, **kwargs)  # fmt: skip
+                    vectorization=cfg.resolved_vectorization(), **kwargs)  # fmt: skip
 
 
-def _episode_limits(env: Any) -> tuple[int | None, int | None]:
-    """(episode limit, settle steps) of the first sub-env, where the env exposes them."""
+def _episode_limits(env: Any, kind: str) -> tuple[int | None, int | None]:
+    """(episode limit, settle steps) of the first sub-env, where the env exposes them.
+
+    Settle steps are asked of LIBERO only: an async worker asked for a missing attribute shuts down.
+    """
 
     def first(name: str) -> Any:
         try:
@@ -308,7 +332,7 @@ def _episode_limits(env: Any) -> tuple[int | None, int | None]:
 
     from phyai_gym.run import episode_limit
 
-    return episode_limit(env), first("settle_steps")
+    return episode_limit(env), (first("settle_steps") if kind == "libero" else None)
 
 
 def build_parser() -> argparse.ArgumentParser:

@@ -13,7 +13,7 @@ import math
 import sys
 import time
 from collections.abc import Callable, Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
@@ -28,6 +28,8 @@ PRESETS: tuple[str, ...] = (
 """`policies.pi05.presets.list_presets()`'s names, spelled here so that ``phyai-gym --help`` imports no torch
 (``tests/phyai_gym/test_cli.py`` checks that the two agree)."""
 _LIBERO_PRESETS = {"openpi": "openpi", "lerobot": "lerobot", "rlinf": "rlinf"}
+GROUPABLE = ("mujoco",)
+"""Env kinds whose sub-env i depends only on its seed, so N envs split into groups equal one vector env of N."""
 
 
 @dataclass
@@ -62,8 +64,13 @@ class RunConfig:
     """Rendered image side (None: the env's default, 224 for simulators)."""
     max_episode_steps: int | None = None
     """Episode limit override."""
-    vectorization: str = "sync"
-    """"sync" or "async" sub-envs."""
+    vectorization: str | None = None
+    """"sync" (in this process) or "async" (a worker process per sub-env). None: "async" for a MuJoCo env under a
+    CUDA policy with N >= 2 (the simulator then has the CPU cores to itself), else the env's default."""
+    groups: int | None = None
+    """Env groups the policy alternates between, so that one group simulates while the policy acts for the other
+    (the results are the same for any count). None: 2 where `vectorization` resolves to "async" for a MuJoCo env
+    under a CUDA policy with N >= 2, else 1."""
     deterministic: bool = False
     """ODE sampling (no noise) instead of the rollout's stochastic method."""
     std: float = 0.5
@@ -83,7 +90,7 @@ class RunConfig:
             raise ValueError(f"--policy: expected one of {POLICIES}, got {self.policy!r}.")
         if self.preset is not None and self.checkpoint is None and self.policy == "gaussian":
             raise ValueError("conflicting options: --preset applies to PI0.5 policies, not --policy gaussian.")
-        for name in ("num_envs", "chunks", "threads"):
+        for name in ("num_envs", "chunks", "threads", "groups"):
             if getattr(self, name) is not None and getattr(self, name) < 1:
                 raise ValueError(f"--{name.replace('_', '-')}: expected >= 1, got {getattr(self, name)}.")
         from phyai_gym.make import resolve_env
@@ -93,7 +100,44 @@ class RunConfig:
             if getattr(self, name) is not None:
                 check_int(f"--{name.replace('_', '-')}", getattr(self, name), 1, fix="or leave it out for the default")
         check_float("--std", self.std, 0.0, exclusive_minimum=True, fix="the Gaussian baseline's standard deviation")
-        resolve_env(self.env)  # unknown names fail here, before anything is built
+        kind = resolve_env(self.env).kind  # unknown names fail here, before anything is built
+        if self.groups is not None and self.groups > 1:
+            if kind not in GROUPABLE:
+                raise ValueError(
+                    f"--groups {self.groups}: --env {self.env} ({kind}) runs in one group only, because its "
+                    "sub-envs' tasks and initial states follow their index in one vector env. Fix: leave --groups "
+                    f"out or pass 1; groups work for the {'/'.join(GROUPABLE)} envs."
+                )
+            if self.groups > self.num_envs:
+                raise ValueError(
+                    f"--groups: expected <= --num-envs ({self.num_envs}), got {self.groups}. Fix: pass fewer groups "
+                    "or more envs."
+                )
+            if self.resolved_vectorization() != "async":
+                raise ValueError(
+                    f"--groups {self.groups} needs --vectorization async: groups step in worker threads, and an "
+                    "in-process MuJoCo env renders through an OpenGL context bound to the thread that made it. "
+                    "Fix: add --vectorization async, or leave --groups out."
+                )
+
+    def _overlaps(self) -> bool:
+        """A MuJoCo env under a CUDA policy with N >= 2: the case the defaults run in parallel processes and groups."""
+        from phyai_gym.make import resolve_env
+
+        cuda = str(self.device).startswith("cuda")
+        return cuda and self.num_envs >= 2 and resolve_env(self.env).kind in GROUPABLE
+
+    def resolved_vectorization(self) -> str | None:
+        """`vectorization`, or its default (None: the env's own)."""
+        if self.vectorization is not None:
+            return self.vectorization
+        return "async" if self._overlaps() else None
+
+    def resolved_groups(self) -> int:
+        """`groups`, or its default: 2 where the defaults step a MuJoCo env in worker processes, else 1."""
+        if self.groups is not None:
+            return self.groups
+        return 2 if self._overlaps() and self.resolved_vectorization() == "async" else 1
 
 
 @dataclass
@@ -155,8 +199,26 @@ def build_env(cfg: RunConfig, policy_preset: str | None = None) -> Any:
         kwargs["episode_lengths"] = (7, 12)
     return make_env(
         cfg.env, cfg.num_envs, image_size=cfg.image_size, max_episode_steps=cfg.max_episode_steps,
-        vectorization=cfg.vectorization, **kwargs,
+        vectorization=cfg.resolved_vectorization(), **kwargs,
     )  # fmt: skip
+
+
+def build_envs(cfg: RunConfig, build: Any = build_env) -> list[Any]:
+    """`cfg.resolved_groups()` vector envs of N / G sub-envs each (the first N % G get one more).
+
+    Each is ``build(cfg)`` with its size; the ones built are closed if a later one fails.
+    """
+    groups = cfg.resolved_groups()
+    sizes = [cfg.num_envs // groups + (g < cfg.num_envs % groups) for g in range(groups)]
+    envs: list[Any] = []
+    try:
+        for size in sizes:
+            envs.append(build(replace(cfg, num_envs=size, groups=1, vectorization=cfg.resolved_vectorization())))
+    except BaseException:
+        for env in envs:
+            env.close()
+        raise
+    return envs
 
 
 def check_state_fits(cfg: RunConfig, env: Any, policy: Any) -> None:
@@ -207,9 +269,10 @@ def episode_limit(env: Any) -> int | None:
         except Exception:  # not every env has the attribute, and async envs may refuse
             return None
 
-    limit = first("max_episode_steps")
+    # `spec` first: every Gymnasium env has it, while asking an async worker for a missing attribute shuts it down
+    limit = getattr(first("spec"), "max_episode_steps", None)
     if limit is None:
-        limit = getattr(first("spec"), "max_episode_steps", None)
+        limit = first("max_episode_steps")
     if limit is None:
         limit = first("_max_episode_steps")  # a time-limit wrapper outside the registry (ManiSkill's)
     if limit is None:
@@ -252,16 +315,20 @@ def run(cfg: RunConfig) -> RunSummary:
         except Exception:  # the policy load below reports the real problem
             preset = None
     with phase(f"loading the simulator: {cfg.env} x {cfg.num_envs}", say):
-        env = build_env(cfg, preset)
+        envs = build_envs(cfg, lambda c: build_env(c, preset))
+    env = envs[0]
     try:
         action_dim = int(env.single_action_space.shape[0])
         with phase(building_policy_message(cfg), say):
             policy, description = build_policy(cfg, action_dim)
             check_state_fits(cfg, env, policy)
             chunk = action_chunk_for(cfg, policy)
-            wrapper = PolicyVectorEnv(env, policy, action_chunk=chunk, deterministic=cfg.deterministic)
+            wrapper = PolicyVectorEnv(
+                envs, policy, action_chunk=chunk, deterministic=cfg.deterministic, prefetch=len(envs) > 1
+            )
     except BaseException:
-        env.close()
+        for e in envs:
+            e.close()
         raise
     limit = episode_limit(env)
     # chunks=None: to the episode limit (every env then has ended an episode), or until every env ended one

@@ -90,7 +90,8 @@ def test_help_shows_defaults_and_choices(capsys, command):
         main([command, "--help"])
     assert info.value.code == 0
     out = " ".join(capsys.readouterr().out.split())  # argparse wraps lines
-    assert "N, sub-envs (default: 4)" in out and "(default: sync)" in out and "one worker process per sub-env" in out
+    assert "N, sub-envs (default: 4)" in out and "one worker process per sub-env" in out
+    assert "(default: async for MuJoCo envs under a CUDA policy, else sync)" in out
     assert "openpi_pi05_libero, lerobot_pi05" in out
     if command == "eval":
         assert "openpi_libero, lerobot_libero" in out and "--episodes 2 plans 20 episodes" in out
@@ -437,3 +438,52 @@ def test_eval_on_mujoco_with_episode_limit(capsys, tmp_path):
     assert main(argv) == 0
     header, rows = _rows(tmp_path / "episodes.jsonl")
     assert header["episode_limit"] == 10 and len(rows) == 3 and all(r["length"] == 10 for r in rows)
+
+
+@pytest.mark.slow
+def test_eval_in_groups_equals_one_group_episode_for_episode(capsys, tmp_path):
+    """Two env groups with speculative calls (the CUDA default for MuJoCo) give the same episodes as one group."""
+    argv = ["eval", "--env", "Pusher-v5", "--policy", "tiny", "--num-envs", "4", "--episodes", "6", "--image-size"]
+    argv += ["32", "--max-episode-steps", "10", "--action-chunk", "3", "--stochastic", "--vectorization", "async"]
+    results = {}
+    for groups in (1, 2):
+        assert main([*argv, "--groups", str(groups), "--out", str(tmp_path / str(groups))]) == 0
+        results[groups] = [{k: v for k, v in r.items() if k != "slot"} for r in _rows(tmp_path / str(groups) /
+                                                                                       "episodes.jsonl")[1]]
+    assert len(results[1]) == 6 and results[2] == results[1]
+
+
+def test_default_groups_overlap_mujoco_under_a_cuda_policy_only():
+    from phyai_gym.run import RunConfig
+
+    assert RunConfig(env="Pusher-v5", device="cuda").resolved_groups() == 2
+    assert RunConfig(env="Pusher-v5", device="cuda").resolved_vectorization() == "async"
+    assert RunConfig(env="Pusher-v5", device="cuda", vectorization="sync").resolved_groups() == 1
+    assert RunConfig(env="Pusher-v5", device="cpu").resolved_groups() == 1  # policy and sim would share the cores
+    assert RunConfig(env="Pusher-v5", device="cuda", num_envs=1).resolved_groups() == 1
+    assert RunConfig(env="scripted", device="cuda").resolved_groups() == 1
+    assert RunConfig(env="Pusher-v5", device="cuda", groups=3).resolved_groups() == 3
+    assert RunConfig(env="Pusher-v5").resolved_vectorization() is None  # the env's own default (sync)
+
+
+@pytest.mark.parametrize(
+    ("argv", "message"),
+    [
+        (["--env", "libero_spatial", "--groups", "2"], "--groups 2: --env libero_spatial (libero) runs in one group"),
+        (["--num-envs", "2", "--groups", "3", "--vectorization", "async"], "expected <= --num-envs (2), got 3"),
+        (["--env", "Pusher-v5", "--groups", "0"], "--groups: expected >= 1, got 0"),
+        (["--env", "Pusher-v5", "--groups", "2"], "--groups 2 needs --vectorization async"),
+    ],
+)
+def test_bad_groups_are_refused_before_anything_is_built(capsys, argv, message):
+    with pytest.raises(SystemExit):
+        main(["run", *argv])
+    assert message in capsys.readouterr().err
+
+
+def test_eval_video_with_groups_is_refused(capsys, tmp_path):
+    argv = ["eval", "--env", "Pusher-v5", "--policy", "tiny", "--groups", "2", "--video", "1", "--episodes", "1"]
+    argv += ["--vectorization", "async"]
+    with pytest.raises(SystemExit):
+        main([*argv, "--out", str(tmp_path)])
+    assert "--video records one vector env, --groups 2 asks for several" in capsys.readouterr().err

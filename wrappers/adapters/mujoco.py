@@ -12,6 +12,7 @@ Rendering uses ``MUJOCO_GL=egl`` unless the variable is already set; on machines
 from __future__ import annotations
 
 import os
+import threading
 from typing import Any, Literal
 
 import gymnasium as gym
@@ -60,6 +61,7 @@ class MujocoCanonicalObservation(gym.ObservationWrapper, RecordConstructorArgs):
         self.metadata = {**env.metadata, READ_EVERY_KEY: True}
         self._schedule = ReadSchedule()
         self._image: np.ndarray | None = None  # the last rendered frame (returned again on unread steps)
+        self._render_thread: int | None = None  # the thread whose OpenGL context renders this env
 
     def set_read_every(self, chunk: int) -> None:
         """Renders only at resets, episode ends and every `chunk`-th step since a reset (`wrappers.freeze`)."""
@@ -84,7 +86,22 @@ class MujocoCanonicalObservation(gym.ObservationWrapper, RecordConstructorArgs):
         return int(getattr(base, "height", 480)), int(getattr(base, "width", 480))
 
     def observation(self, observation: np.ndarray) -> dict[str, Any]:
-        """The canonical observation of the current state (rendered now)."""
+        """The canonical observation of the current state (rendered now).
+
+        Raises:
+            RuntimeError: rendering from another thread than the first render's. MuJoCo's OpenGL context is current
+                only in the thread that made it; elsewhere the frame would be stale or blank without any error.
+        """
+        thread = threading.get_ident()
+        if self._render_thread is None:
+            self._render_thread = thread
+        elif thread != self._render_thread:
+            raise RuntimeError(
+                "MujocoCanonicalObservation: rendered from another thread than the one whose OpenGL context renders "
+                "this env, which would return a stale or blank frame. Fix: step in-process MuJoCo envs from one "
+                "thread, or use vectorization='async' (each sub-env renders in its own process), e.g. for "
+                "PolicyVectorEnv groups."
+            )
         self._image = np.ascontiguousarray(self.env.render(), dtype=np.uint8)
         return self._canonical(observation, self._image)
 

@@ -138,3 +138,24 @@ def test_frame_recorder_under_policy_vector_env_gets_every_frame():
     assert len(frames) == len(expected) == 1 + LIMITS[2]
     for got, want in zip(frames, expected):
         np.testing.assert_array_equal(got, want)
+
+
+def test_rendering_from_another_thread_is_refused_not_stale():
+    """An in-process MuJoCo env renders through an OpenGL context bound to one thread; elsewhere frames go stale."""
+    import threading
+
+    env = make_mujoco_env("Pusher-v5", num_envs=1, image_size=16)
+    env.reset(seed=0)
+    errors = []
+
+    def step() -> None:
+        try:
+            env.step(np.zeros((1, 7), np.float32))
+        except RuntimeError as error:
+            errors.append(str(error))
+
+    worker = threading.Thread(target=step)
+    worker.start()
+    worker.join()
+    env.close()
+    assert len(errors) == 1 and "vectorization='async'" in errors[0]

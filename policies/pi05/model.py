@@ -586,11 +586,18 @@ def randomize_parameters_(module: nn.Module, seed: int, std: float = 0.05) -> nn
     """Fill every parameter with seeded N(0, std) values (norm weights/biases too).
 
     Zero-initialised adaRMS denses and RMSNorm weights would hide wiring errors in tests and make a random
-    demo policy degenerate, so tests and the demo randomise everything.
+    demo policy degenerate, so tests and the demo randomise everything. The values come from a generator on each
+    parameter's device, so a full-size model on a GPU is filled there (a CPU generator would draw its 3 B values
+    on one core first); a seed gives the same weights on every run on one device type, and other ones on the CPU
+    than on CUDA.
     """
-    gen = torch.Generator().manual_seed(seed)
+    generators: dict[torch.device, torch.Generator] = {}
     with torch.no_grad():
         for _, param in sorted(module.named_parameters(), key=lambda kv: kv[0]):
-            values = torch.randn(param.shape, generator=gen, dtype=torch.float32) * std
-            param.copy_(values.to(param.dtype))
+            if param.device not in generators:
+                generators[param.device] = torch.Generator(param.device).manual_seed(seed)
+            values = torch.randn(
+                param.shape, generator=generators[param.device], dtype=torch.float32, device=param.device
+            )
+            param.copy_((values * std).to(param.dtype))
     return module

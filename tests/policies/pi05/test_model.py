@@ -378,16 +378,23 @@ def test_time_condition_is_double_swish_mlp(model: Pi05Model) -> None:
 
 
 # ---------------------------------------------------------------------------------- (8) randomisation
-def test_randomize_parameters_touches_every_parameter() -> None:
-    model = Pi05Model(Pi05Config.tiny())
+@pytest.mark.parametrize(
+    "device",
+    ["cpu", pytest.param("cuda", marks=[pytest.mark.cuda, pytest.mark.skipif(not torch.cuda.is_available(),
+                                                                             reason="needs a CUDA GPU")])],
+)  # fmt: skip
+def test_randomize_parameters_touches_every_parameter(device: str) -> None:
+    with torch.device(device):
+        model = Pi05Model(Pi05Config.tiny())
     before = {n: p.detach().clone() for n, p in model.named_parameters()}
     randomize_parameters_(model, 5)
     untouched = [n for n, p in model.named_parameters() if torch.equal(p, before[n])]
     assert not untouched
     zero = [n for n, p in model.named_parameters() if not p.ne(0).any()]
     assert not zero  # adaRMS denses and (1 + w) RMSNorm weights included
-    again = randomize_parameters_(Pi05Model(Pi05Config.tiny()), 5)
-    other = randomize_parameters_(Pi05Model(Pi05Config.tiny()), 6)
+    with torch.device(device):
+        again = randomize_parameters_(Pi05Model(Pi05Config.tiny()), 5)
+        other = randomize_parameters_(Pi05Model(Pi05Config.tiny()), 6)
     for (name, p), q, r in zip(model.named_parameters(), again.parameters(), other.parameters()):
         assert torch.equal(p, q), name  # deterministic per seed
         assert not torch.equal(p, r), name

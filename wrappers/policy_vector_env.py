@@ -321,18 +321,22 @@ class PolicyVectorEnv(VectorWrapper):
     def _final_values(self, result: ChunkResult, group: ChunkRunner) -> torch.Tensor:
         """(n,) critic on the terminal observations of finished envs, 0 elsewhere.
 
-        Only finished rows are evaluated: reading the (n,) done mask costs device envs one small sync per chunk
-        (the next policy call waits for the chunk anyway), while the critic on every row would cost a prefix pass
-        at the full batch per chunk -- as much as the policy call itself for the prefix value source.
+        Only finished rows are evaluated (reading the done mask costs device envs one small sync per chunk, which
+        the next policy call waits for anyway; the critic on every row would cost a prefix pass at the full batch
+        per chunk). They are padded with unfinished rows to a power of two, so the critic meets at most
+        log2(n) + 1 batch sizes however many envs finish (a graph-capturing policy captures each size once);
+        ``value()`` consumes no random stream, so the padding rows change nothing.
         """
         device = self.policy.device
-        rows = np.flatnonzero(result.done.cpu().numpy())
+        done = result.done.cpu().numpy()
+        rows = np.flatnonzero(done)
         values = torch.zeros(group.num_envs, device=device)
         if rows.size:
-            sub_obs = take_rows(result.final_obs, rows)
-            values[torch.as_tensor(rows, device=device)] = self.policy.value(
-                sub_obs, env_ids=(rows + group.offset).tolist()
-            ).to(device, torch.float32)
+            size = min(1 << (rows.size - 1).bit_length(), group.num_envs)
+            rows = np.concatenate([rows, np.flatnonzero(~done)[: size - rows.size]])
+            critic = self.policy.value(take_rows(result.final_obs, rows), env_ids=(rows + group.offset).tolist())
+            finished = int(done.sum())
+            values[torch.as_tensor(rows[:finished], device=device)] = critic[:finished].to(device, torch.float32)
         return values
 
     def _assemble(

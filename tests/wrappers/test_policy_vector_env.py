@@ -299,19 +299,27 @@ def test_final_value_is_the_critic_on_final_obs_of_finished_envs_and_zero_elsewh
         env = TorchObservations(env) if variant == "torch" else env
     wrapper = PolicyVectorEnv(env, policy, action_chunk=C)
     wrapper.reset(seed=3)
+    critic_batches, value = [], policy.value
+
+    def recording_value(obs, **kwargs):
+        critic_batches.append(len(obs["task"]))
+        return value(obs, **kwargs)
+
+    policy.value = recording_value  # the wrapper's calls only: the checks below call `value` directly
     finished = unfinished = 0
     for _ in range(5):
         obs, _, terms, truncs, info = wrapper.step()
         done = torch.as_tensor(terms | truncs)
         final_value = info["policy"]["final_value"]
-        expected = policy.value(info["final_obs"], env_ids=range(4))
+        expected = value(info["final_obs"], env_ids=range(4))
         assert (expected.abs() > 1e-3).all()  # the critic is non-zero on every row
-        reset_values = policy.value(obs, env_ids=range(4))  # finished envs: the reset observation differs
+        reset_values = value(obs, env_ids=range(4))  # finished envs: the reset observation differs
         assert not torch.isclose(expected, reset_values, rtol=0, atol=1e-4)[done].any()
         torch.testing.assert_close(final_value[~done], torch.zeros(int((~done).sum())), rtol=0, atol=0)
         torch.testing.assert_close(final_value, torch.where(done, expected, 0.0), rtol=0, atol=atol)
         finished, unfinished = finished + int(done.sum()), unfinished + int((~done).sum())
     assert finished >= 4 and unfinished >= 4
+    assert critic_batches and set(critic_batches) <= {1, 2, 4}  # padded to powers of two: few batch shapes
     wrapper.close()
 
 

@@ -11,7 +11,8 @@ values, trainable = expert, random weights (every weight randomised). Rows go to
                  same with the prefix encoded once per rollout batch (its cost shared over 4 epochs x 2
                  minibatches), and the float32 trainer (prefix recomputed per minibatch)
   update0_ratio  |log pi_trainer - log pi_rollout| at update 0 over a batch of 64 graph-rollout samples
-  act_public     act() samples/s through the public processor at N = 8..64 with each N declared
+  act_public     act() samples/s through the public processor at N = 8..64 with each N declared, and at every
+                 N = 1..64 undeclared (``declared: false``; `first_act_s`: the first call at N, its captures included)
   iteration      examples/ppo_pi05.py --config base --device cuda on the target task (median iteration, split)
   seeds          `seeds`: that run for several seeds, one spawned process each, two at a time on the one GPU (each also
                  an ``iteration`` row with "seed" and "concurrent_runs", its timings shared-GPU ones); the final
@@ -223,7 +224,13 @@ def bench_ratio(out: Path, device: str = "cuda") -> None:
 
 
 def bench_act(out: Path, device: str = "cuda", sizes=(8, 16, 24, 40, 48, 56, 64), iters: int = 10) -> None:
-    """act() through make_policy and the public processor, N declared as PolicyVectorEnv declares it."""
+    """act() through make_policy and the public processor: N declared as PolicyVectorEnv declares it, then every
+    N = 1..64 undeclared (a fresh policy)."""
+    _bench_act(out, device, sizes, iters, declared=True)
+    _bench_act(out, device, tuple(range(1, 65)), max(3, iters // 2), declared=False)
+
+
+def _bench_act(out: Path, device: str, sizes: tuple[int, ...], iters: int, declared: bool) -> None:
     from phyai_gym.make import make_policy
     from policies.pi05.policy import RolloutConfig
 
@@ -234,7 +241,8 @@ def bench_act(out: Path, device: str = "cuda", sizes=(8, 16, 24, 40, 48, 56, 64)
     rng = np.random.default_rng(0)
     rows = []
     for n in sizes:
-        policy.declare_batch_sizes([n])
+        if declared:
+            policy.declare_batch_sizes([n])
         obs = {"images": {k: rng.integers(0, 256, (n, 224, 224, 3), dtype=np.uint8) for k in ("image", "wrist_image")},
                "state": rng.standard_normal((n, 8)).astype(np.float32),
                "task": ["put the bowl on the plate"] * n}
@@ -244,15 +252,17 @@ def bench_act(out: Path, device: str = "cuda", sizes=(8, 16, 24, 40, 48, 56, 64)
             t0 = time.perf_counter()
             result = policy.act(obs)
             result.actions.cpu()
+            if i == 0:
+                first = time.perf_counter() - t0
             if i >= 2:
                 times.append(time.perf_counter() - t0)
         p50 = float(np.median(times))
-        rows.append((n, n / p50, p50, int(policy.processor(obs).tokens.shape[1])))
-    at64 = dict((n, s) for n, s, _, _ in rows).get(64)
-    for n, sps, p50, bucket in rows:
+        rows.append((n, n / p50, p50, int(policy.processor(obs).tokens.shape[1]), first))
+    at64 = dict((n, s) for n, s, *_ in rows).get(64)
+    for n, sps, p50, bucket, first in rows:
         _row(out, {"kind": "act_public", "setting": SETTING, "batch": n, "samples_per_s": sps,
                    "p50_ms": p50 * 1e3, "prompt_bucket": bucket, "bucket": policy.scheduler.bucket_for(n),
-                   "ratio_to_64": sps / at64 if at64 else None})
+                   "ratio_to_64": sps / at64 if at64 else None, "declared": declared, "first_act_s": first})
     policy.close()
 
 

@@ -221,6 +221,7 @@ def make_policy(
     rollout: RolloutConfig | None = None,
     max_batch_size: int = 64,
     cuda_graphs: bool = True,
+    warmup: tuple[tuple[int, int], ...] | str = (),
     **processor_kwargs: Any,
 ) -> Pi05Policy:
     """A PI0.5 policy: loaded from `checkpoint`, or with random weights when `checkpoint` is None.
@@ -237,7 +238,10 @@ def make_policy(
         seed: weight seed of a random policy.
         rollout: rollout settings (None: the checkpoint's or the defaults).
         max_batch_size: largest batch one scheduler replay serves.
-        cuda_graphs: capture CUDA graphs on a GPU (False: eager, e.g. for a trainer copy).
+        cuda_graphs: capture CUDA graphs on a GPU (False: eager, e.g. for a trainer copy). Each shape is captured
+            the first time a call needs it (`SchedulerConfig`: an estimated 0.3-1 s more for that call at full size).
+        warmup: shapes to capture while building instead: (batch_size, prompt_length) pairs, or "all"
+            (`SchedulerConfig.warmup`).
         **processor_kwargs: `ProcessorConfig` overrides of a random policy (e.g. ``prompt_format="state"``).
 
     Example:
@@ -254,7 +258,13 @@ def make_policy(
         root = check_checkpoint(checkpoint, "checkpoint")
         if cuda_graphs:
             return Pi05Policy.from_pretrained(
-                root, preset=preset, device=device, dtype=dtype, max_batch_size=max_batch_size, rollout=rollout
+                root,
+                preset=preset,
+                device=device,
+                dtype=dtype,
+                max_batch_size=max_batch_size,
+                rollout=rollout,
+                warmup=warmup,
             )
         return _eager_from_pretrained(root, preset, device, dtype, max_batch_size, rollout)
     if isinstance(config, str):
@@ -278,6 +288,7 @@ def make_policy(
         camera_sets=(tuple(processor.slots),),
         prompt_buckets=processor.prompt_buckets,
         cuda_graphs=cuda_graphs,
+        warmup=warmup,
     )
     return Pi05Policy.from_config(
         config, processor, device=device, dtype=dtype, seed=seed, rollout=rollout, scheduler=scheduler

@@ -383,11 +383,11 @@ def run(cfg: RunConfig) -> RunSummary:
 
 
 def building_policy_message(cfg: RunConfig) -> str:
-    """The start-up line of the policy build (on a GPU it includes capturing the CUDA graphs)."""
+    """The start-up line of the policy build (on a GPU its CUDA graphs are captured later, at the first steps)."""
     what = f"loading the policy from {cfg.checkpoint}" if cfg.checkpoint is not None else (
         f"building the policy ({cfg.policy or 'tiny'}, random weights)"
     )
-    graphs = ", capturing its CUDA graphs" if str(cfg.device).startswith("cuda") else ""
+    graphs = " (CUDA graphs: captured at the first step of each shape)" if str(cfg.device).startswith("cuda") else ""
     return f"{what} on {cfg.device}{graphs}"
 
 

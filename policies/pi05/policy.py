@@ -148,12 +148,16 @@ class Pi05Policy:
         device: str | torch.device = "cpu",
         dtype: str | None = None,
         max_batch_size: int = 64,
+        warmup: tuple[tuple[int, int], ...] | str = (),
         strict: bool = True,
         rollout: RolloutConfig | None = None,
         scheduler: SchedulerConfig | None = None,
         attention: AttentionConfig | None = None,
     ) -> Pi05Policy:
-        """Load a safetensors checkpoint folder (ours, LeRobot or openpi-PyTorch layout) plus its processor."""
+        """Load a safetensors checkpoint folder (ours, LeRobot or openpi-PyTorch layout) plus its processor.
+
+        `max_batch_size` and `warmup` build the default `SchedulerConfig` (ignored when `scheduler` is given).
+        """
         from .processor import Pi05Processor
 
         check_device(device)
@@ -178,7 +182,10 @@ class Pi05Policy:
             rollout = RolloutConfig(num_steps=config.num_steps, action_chunk=chunk)
         if scheduler is None:
             scheduler = SchedulerConfig(
-                max_batch_size=max_batch_size, num_steps=(rollout.num_steps,), camera_sets=(tuple(processor.slots),)
+                max_batch_size=max_batch_size,
+                num_steps=(rollout.num_steps,),
+                camera_sets=(tuple(processor.slots),),
+                warmup=warmup,
             )
         policy = cls(model, processor, rollout, scheduler)
         policy.load_report = report
@@ -432,10 +439,11 @@ class Pi05Policy:
         return replace(batch, prefix=StoredPrefix.cat(parts))
 
     def declare_batch_sizes(self, sizes: Sequence[int]) -> tuple[int, ...]:
-        """Give each batch size a call will use its own bucket (graphs captured once, now); returns those added.
+        """Give each batch size a call will use its own bucket; returns those added (graphs: on first use).
 
         `PolicyVectorEnv` declares N (or each env group's size), so a deployment never pays for a larger bucket
-        than its own batch. Sizes above max_batch_size are split (the remainder gets a bucket).
+        than its own batch. With the default buckets (every size up to max_batch_size) only the remainder of a
+        size above max_batch_size, which is split, can be new.
         """
         self._check_open()
         with self._lock:

@@ -4,6 +4,8 @@ Pre-processing of a batch of N observations:
   images  {camera: (N, H, W, 3) uint8}  -> camera map -> resize-with-pad -> (N, cams, 3, S, S) uint8
   state   (N, S_state) float            -> normalise (quantile / mean-std, epsilon rule) -> bins
   task    N strings                     -> prompt format -> (N, L) int32 ids + (N,) lengths (on device)
+Images and states reach the device as they come (uint8 pixels, through pinned memory from the host) and are
+resized and normalised there; each distinct task is tokenised once (`PromptBuilder`, a bounded cache).
 Post-processing: (N, H, 32) model actions -> first C steps -> first A dims -> un-normalise -> gripper map.
 
 Inputs are validated at this boundary; errors name the key, the expected and received value and a fix, and
@@ -489,10 +491,18 @@ class Pi05Processor:
 
     # -------------------------------------------------------------------------------------------- call
     def _to_device(self, x: np.ndarray | torch.Tensor) -> torch.Tensor:
+        """Host arrays go to a CUDA device through pinned staging memory, so the copy is asynchronous.
+
+        `pin_memory()` draws from PyTorch's caching host allocator: a block is reused by later calls once the copy
+        out of it has finished (no host wait, no allocation after the first calls). Images stay uint8 here; the
+        resize and the state normalisation run on the device.
+        """
         if isinstance(x, np.ndarray):
             if any(s < 0 for s in x.strides):
                 x = np.ascontiguousarray(x)
             x = torch.from_numpy(x)
+        if self.device.type == "cuda" and x.device.type == "cpu" and not x.is_pinned():
+            x = x.pin_memory()
         return x.to(self.device, non_blocking=True)
 
     def __call__(self, obs: Mapping[str, Any]) -> ModelInputs:

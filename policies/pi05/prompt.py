@@ -10,7 +10,8 @@ The task is cleaned (strip, ``_`` and newlines to spaces). State bins are ``digi
 [:-1]) - 1`` of the normalised state: ``floor((s + 1) * 128)`` on [-1, 1), -1 below -1, 255 from 0.9921875.
 
 `PromptBuilder` builds the token ids on the policy's device: each distinct task is tokenised once and kept
-in a device table; the tokens of every bin string (" -1" .. " 255") are tokenised once at setup, and a call
+in a device table (at most `max_cached_tasks` tasks: when a new task would exceed it, the table starts over
+with the call's tasks); the tokens of every bin string (" -1" .. " 255") are tokenised once at setup, and a call
 only gathers and scatters them. Setup checks that the concatenation reproduces host tokenisation of whole
 prompts; if it does not (a tokenizer that merges across the bins), it falls back to host tokenisation with a
 warning. The prompt bucket is chosen on the host from an upper bound, so a call never copies device data
@@ -35,6 +36,7 @@ from collections.abc import Sequence
 import numpy as np
 import torch
 
+from policies.checks import check_int
 from policies.pi05.tokenizer import PromptTokenizer
 
 PROMPT_FORMATS: tuple[str, ...] = ("state", "lerobot_no_state", "text")
@@ -45,6 +47,8 @@ DEFAULT_BUCKETS: tuple[int, ...] = (16, 32, 48, 64, 80, 96, 112, 144, 200)
 (53-62 tokens with the stand-in tokenizer) lands in 64, not 112 (50 of its 624 prefix tokens were padding)."""
 NUM_BINS = 256
 """State bins 0..255 (plus -1 below the range)."""
+MAX_CACHED_TASKS = 1024
+"""Default bound on the distinct tasks a `PromptBuilder` keeps tokenised."""
 
 _STATE_HEAD = ", State:"
 _STATE_TAIL = ";\nAction: "
@@ -127,6 +131,7 @@ class PromptBuilder:
         max_token_len: int = 200,
         buckets: Sequence[int] = DEFAULT_BUCKETS,
         device: torch.device | str = "cpu",
+        max_cached_tasks: int = MAX_CACHED_TASKS,
     ) -> None:
         if fmt not in PROMPT_FORMATS:
             raise ValueError(f"prompt_format must be one of {PROMPT_FORMATS}, got {fmt!r}.")
@@ -136,6 +141,8 @@ class PromptBuilder:
         self.buckets = capped_buckets(buckets, self.max_token_len)
         self.device = torch.device(device)
         self.truncation_warned = False
+        fix = "how many distinct task strings to keep tokenised, e.g. 1024"
+        self.max_cached_tasks = check_int("max_cached_tasks", max_cached_tasks, 1, fix=fix)
         # Per-task table (device) and its host mirror; replaced as a whole when tasks are added.
         self._task_index: dict[str, int] = {}
         self._task_len: list[int] = []
@@ -190,10 +197,15 @@ class PromptBuilder:
         return joined == host_tokenize(self.tokenizer, task, self.fmt, bins)
 
     def _add_tasks(self, tasks: Sequence[str]) -> None:
-        """Tokenise unseen tasks and publish a new task table (all or nothing)."""
+        """Tokenise unseen tasks and publish a new task table (all or nothing; bounded by `max_cached_tasks`)."""
         new = [t for t in dict.fromkeys(tasks) if t not in self._task_index]
         if not new:
             return
+        kept_index, kept_len, old = self._task_index, self._task_len, self._task_ids
+        restart = len(kept_index) + len(new) > self.max_cached_tasks
+        if restart:  # start over with this call's tasks
+            kept_index, kept_len, old = {}, [], old[:0, :1]
+            new = list(dict.fromkeys(tasks))
         if self.uses_state:
             rows = [self._task_head(t) for t in new]
             if self.device_state_tokens and not all(self._verify_task(t, [-1, 0, 128, 255]) for t in new):
@@ -208,10 +220,9 @@ class PromptBuilder:
         else:
             rows = [host_tokenize(self.tokenizer, t, self.fmt) for t in new]
             fallback = False
-        lengths = self._task_len + [len(r) for r in rows]
+        lengths = kept_len + [len(r) for r in rows]
         width = max(lengths)
         table = torch.zeros(len(lengths), width, dtype=torch.int32, device=self.device)
-        old = self._task_ids
         table[: old.shape[0], : old.shape[1]] = old
         new_rows = np.zeros((len(rows), width), dtype=np.int32)
         for i, r in enumerate(rows):
@@ -219,10 +230,12 @@ class PromptBuilder:
         table[old.shape[0] :] = torch.from_numpy(new_rows).to(self.device)
         len_dev = torch.tensor(lengths, dtype=torch.int32, device=self.device)
         # Commit: nothing above mutated the builder.
-        index = dict(self._task_index)
+        index = dict(kept_index)
         for t in new:
             index[t] = len(index)
         self._task_ids, self._task_len_dev, self._task_len, self._task_index = table, len_dev, lengths, index
+        if restart:
+            self.__dict__.pop("_row_index_cache", None)  # it indexes rows of the dropped table
         if fallback:
             self.device_state_tokens = False
 

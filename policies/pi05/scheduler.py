@@ -1,12 +1,14 @@
 """The PI0.5 scheduler: static buffers, batch/prompt buckets, and CUDA graphs for the prefix and denoise loop.
 
 `setup()` allocates every static tensor once at maximum shape (pixels, tokens, per-env seeds/counters, the
-rollout switches, the prefix K/V cache with room for the H action tokens, outputs) and, on CUDA, captures
+rollout switches, the prefix K/V cache with room for the H action tokens, outputs). On CUDA, graphs
   prefix graphs  keyed by (batch bucket, prompt bucket, camera set)
-  denoise graphs keyed by (batch bucket, prompt bucket, camera set, K)
-largest batch first into one memory pool. A call pads N to the smallest bucket >= N (pad rows get harmless
-values), replays, and copies the real rows out, so results never alias static memory. N > max_batch_size is
-split. Without CUDA the very same staged functions run eagerly on the same buffers (what CI exercises).
+  denoise graphs keyed by (batch bucket, prompt bucket, camera set, K, learned noise)
+are captured on first use of their shape, into one memory pool, and replayed from then on; nothing is captured
+at setup unless `SchedulerConfig.warmup` asks for it. A call pads N to the smallest bucket >= N (by default
+every size is a bucket, so N runs unpadded), replays, and copies the real rows out, so results never alias
+static memory. N > max_batch_size is split. Without CUDA the very same staged functions run eagerly on the same
+buffers (what CI exercises) and the same shape bookkeeping is kept (`SchedulerStats.graph_keys`).
 
 Graph keys include the camera set for the denoise loop too: its K/V length depends on how many cameras are
 used. Deployments declare one camera set, so this adds no graphs in practice.
@@ -41,9 +43,29 @@ class CaptureError(RuntimeError):
 
 
 def default_batch_buckets(max_batch_size: int) -> tuple[int, ...]:
-    """1, 2, 4, ... up to max_batch_size (max_batch_size itself always included)."""
-    buckets = [b for b in (1, 2, 4, 8, 16, 32, 64, 128, 256, 512) if b < max_batch_size]
-    return (*buckets, max_batch_size)
+    """Every size 1..max_batch_size: each N runs at its own graph, captured the first time N is met.
+
+    Graphs are captured lazily, so a bucket costs nothing until used; a rollout at a fixed N pays no padding.
+    """
+    return tuple(range(1, max_batch_size + 1))
+
+
+def check_warmup(name: str, warmup: object, max_batch_size: int) -> tuple[tuple[int, int], ...] | str:
+    """`SchedulerConfig.warmup` (named `name`): "all" or (batch_size, prompt_length) pairs, batch_size <= the max."""
+    if isinstance(warmup, str) and warmup == "all":
+        return "all"
+    fix = 'pairs (batch_size, prompt_length), e.g. ((64, 48),), "all", or () to capture on first use'
+    if isinstance(warmup, str) or not isinstance(warmup, Sequence):
+        raise TypeError(bad_input(name, "a tuple of (batch_size, prompt_length) pairs or 'all'", warmup, fix))
+    out = []
+    for i, pair in enumerate(warmup):
+        if isinstance(pair, str) or not isinstance(pair, Sequence) or len(pair) != 2:
+            raise TypeError(bad_input(f"{name}[{i}]", "a pair (batch_size, prompt_length)", pair, fix))
+        b = check_int(f"{name}[{i}][0] (batch_size)", pair[0], 1, max_batch_size,
+                      fix=f"a batch size 1..max_batch_size ({max_batch_size})")  # fmt: skip
+        length = check_int(f"{name}[{i}][1] (prompt_length)", pair[1], 1, fix="a prompt length in tokens")
+        out.append((b, length))
+    return tuple(out)
 
 
 def check_scheduler_fields(cfg: SchedulerConfig) -> None:
@@ -67,6 +89,7 @@ def check_scheduler_fields(cfg: SchedulerConfig) -> None:
         slots = check_int_tuple(f"{owner}.camera_sets[{i}]", cams, 0, fix="slot indices, e.g. (0, 1)")
         if len(set(slots)) != len(slots):
             raise ValueError(bad_input(f"{owner}.camera_sets[{i}]", "distinct slot indices", slots))
+    check_warmup(f"{owner}.warmup", cfg.warmup, cfg.max_batch_size)
     check_bool(f"{owner}.cuda_graphs", cfg.cuda_graphs)
     check_bool(f"{owner}.fused_kernels", cfg.fused_kernels)
     check_bool(f"{owner}.learned_noise", cfg.learned_noise)
@@ -74,11 +97,21 @@ def check_scheduler_fields(cfg: SchedulerConfig) -> None:
 
 @dataclass
 class SchedulerConfig:
-    """What `setup()` allocates and captures.
+    """What `setup()` allocates, and which graph shapes exist and when they are captured.
+
+    A graph shape is (batch bucket, prompt bucket, camera set, K). On CUDA each shape's prefix and denoise graphs
+    are captured the first time a call needs them; later calls replay them. That first call pays one eager run of
+    the shape (kernel compilation, cuBLAS workspaces), a device synchronisation and two captures: for pi05_base
+    an estimated 0.3-1 s (whole start-ups captured 0.15-0.4 s a graph, build included; `bench_startup` reports
+    `first_act_s`); each later call replays.
+    A new shape mid-run adds its own graphs and never recaptures others; weights synced in place (`WeightSync`)
+    keep every graph valid, whenever it was captured.
 
     Attributes:
         max_batch_size: largest batch one replay serves; larger N is split.
-        batch_buckets: captured batch sizes (default 1, 2, 4, ... up to max_batch_size).
+        batch_buckets: batch sizes with their own graphs; N pads to the smallest bucket >= N (default: every size
+            1..max_batch_size, so no N is padded; give fewer, e.g. (8, 16, 32, 64), to bound how many graphs a
+            varying N can create).
         prompt_buckets: captured prompt lengths (capped at the model's max_token_len).
         num_steps: declared K values (time and adaRMS tables per K).
         camera_sets: declared sets of used camera slots, e.g. ((0, 1),) for LIBERO.
@@ -89,10 +122,18 @@ class SchedulerConfig:
             runs the unfused PyTorch ops (the A/B baseline and a fallback). Either way graph replay equals the
             eager stage bitwise; the two settings differ by rounding in half precision (the layer kernels round
             once per kernel). No effect on CPU.
-        learned_noise: also capture, at setup, the denoise graphs that run the learned noise head, which only
+        learned_noise: `warmup` also captures the denoise graphs that run the learned noise head, which only
             method "noise" reads (`Pi05Policy` sets it when its rollout method is "noise"). Other methods run
-            graphs without the head, with the same outputs; without this flag the first "noise" call captures
+            graphs without the head, with the same outputs; either way a "noise" call at a new shape captures
             its graphs then, once.
+        warmup: shapes captured at `setup()` instead of on first use: (batch_size, prompt_length) pairs, each
+            captured for every declared camera set and K, or "all" for every batch bucket x prompt bucket
+            (the whole declared grid: slow with the default buckets). Default (): nothing before the first call.
+
+    Example:
+        >>> cfg = SchedulerConfig(max_batch_size=64, warmup=((64, 48),))
+        >>> cfg.batch_buckets[:3], cfg.batch_buckets[-1], cfg.warmup
+        ((1, 2, 3), 64, ((64, 48),))
     """
 
     max_batch_size: int = 64
@@ -103,6 +144,7 @@ class SchedulerConfig:
     cuda_graphs: bool = True
     fused_kernels: bool = True
     learned_noise: bool = False
+    warmup: tuple[tuple[int, int], ...] | str = ()
 
     def __post_init__(self) -> None:
         check_scheduler_fields(self)
@@ -115,6 +157,7 @@ class SchedulerConfig:
         self.prompt_buckets = tuple(sorted(set(self.prompt_buckets)))
         self.num_steps = tuple(sorted(set(self.num_steps)))
         self.camera_sets = tuple(tuple(sorted(c)) for c in self.camera_sets)
+        self.warmup = check_warmup(f"{type(self).__name__}.warmup", self.warmup, self.max_batch_size)
 
 
 @dataclass
@@ -141,12 +184,17 @@ class _Buffers:
 
 @dataclass
 class SchedulerStats:
-    """Counters for tests and benchmarks (captures must not grow on the hot path)."""
+    """Counters for tests and benchmarks (captures grow only when a shape is met for the first time).
+
+    `graph_keys` lists the keys of prefix (3 fields) and denoise (5 fields) graphs in first-use order, each once;
+    on CUDA each was captured then, on CPU the eager path keeps the same record (`captures` stays 0).
+    """
 
     captures: int = 0
     replays: int = 0
     eager_calls: int = 0
     setup_seconds: float = 0.0
+    capture_seconds: float = 0.0
     graph_keys: list[tuple] = field(default_factory=list)
 
 
@@ -156,10 +204,11 @@ class Pi05Scheduler:
     Example:
         >>> from policies.pi05.config import Pi05Config
         >>> model = Pi05Model(Pi05Config.tiny())
-        >>> sched = Pi05Scheduler(model, SchedulerConfig(max_batch_size=4, num_steps=(5,), prompt_buckets=(16,)))
+        >>> cfg = SchedulerConfig(max_batch_size=4, batch_buckets=(2, 4), num_steps=(5,), prompt_buckets=(16,))
+        >>> sched = Pi05Scheduler(model, cfg)
         >>> sched.setup()
-        >>> sched.bucket_for(3)
-        4
+        >>> sched.bucket_for(3), sched.stats.graph_keys  # nothing captured before the first call
+        (4, [])
     """
 
     def __init__(self, model: Pi05Model, config: SchedulerConfig) -> None:
@@ -175,6 +224,7 @@ class Pi05Scheduler:
         self._prefix_graphs: dict[tuple, torch.cuda.CUDAGraph] = {}
         self._denoise_graphs: dict[tuple, torch.cuda.CUDAGraph] = {}
         self._pool = None
+        self._met: set[tuple] = set()  # graph keys met without CUDA graphs (the same bookkeeping, nothing captured)
         self._switch_cache: dict[RolloutConfig, dict[str, torch.Tensor]] = {}
         self._camera_indices: dict[tuple[int, ...], torch.Tensor] = {}
         has_head = model.noise_head is not None
@@ -182,7 +232,7 @@ class Pi05Scheduler:
 
     # ------------------------------------------------------------------------------------------ setup
     def setup(self) -> None:
-        """Allocate static buffers at maximum shape, build per-K tables, and capture graphs (CUDA)."""
+        """Allocate static buffers at maximum shape, build per-K tables, and capture the `warmup` shapes (CUDA)."""
         start = time.perf_counter()
         cfg, mcfg = self.config, self.model.config
         self.tables = RolloutTables(self.model, cfg.num_steps)
@@ -215,16 +265,43 @@ class Pi05Scheduler:
         for cams in cfg.camera_sets:
             self._camera_index(cams)
         if self.use_graphs:
-            with torch.no_grad():
-                self._capture_all()
+            self._pool = torch.cuda.graph_pool_handle()
+        assert cfg.batch_buckets is not None
+        grid = [(b, length) for b in cfg.batch_buckets for length in self.prompt_buckets]
+        self.warmup(grid if cfg.warmup == "all" else cfg.warmup)
         self.stats.setup_seconds = time.perf_counter() - start
+
+    def warmup(self, shapes: Sequence[tuple[int, int]]) -> int:
+        """Make the graphs of (batch_size, prompt_length) `shapes` exist now, for every declared camera set and K.
+
+        Returns how many graph keys were new. Shapes already met are skipped; nothing is recaptured. Larger batches
+        are captured first.
+
+        Example:
+            >>> from policies.pi05.config import Pi05Config
+            >>> sched = Pi05Scheduler(Pi05Model(Pi05Config.tiny()), SchedulerConfig(max_batch_size=4, num_steps=(5,)))
+            >>> sched.setup()
+            >>> sched.warmup([(3, 20)]), sched.warmup([(3, 30)])  # prefix + denoise graph; 30 tokens: same bucket
+            (2, 0)
+        """
+        if self.buffers is None:
+            raise RuntimeError("Pi05Scheduler.setup() has not been called; call it once before warmup().")
+        wanted = check_warmup("shapes", tuple(shapes), self.config.max_batch_size)
+        assert not isinstance(wanted, str)
+        before = len(self.stats.graph_keys)
+        for b, length in sorted(dict.fromkeys(wanted), key=lambda shape: -shape[0]):  # largest first: the pool
+            # then holds the largest intermediates, and smaller graphs reuse that memory
+            for cams in self.config.camera_sets:
+                for k in self.config.num_steps:
+                    for learned in self._noise_variants:
+                        self._ensure(self.bucket_for(b), self.prompt_bucket_for(length), cams, k, learned)
+        return len(self.stats.graph_keys) - before
 
     def add_batch_buckets(self, sizes: Sequence[int]) -> tuple[int, ...]:
         """Make every batch size in `sizes` run at its own bucket; returns the buckets added.
 
         A size above max_batch_size is split into max_batch_size chunks and its remainder, which gets a bucket.
-        On CUDA the new buckets' graphs are captured now, into the same pool, for every declared prompt bucket,
-        camera set and K; existing graphs are kept and nothing is ever recaptured.
+        The new buckets' graphs are captured on first use, like every other shape (or now with `warmup`).
         """
         bmax = self.config.max_batch_size
         wanted: set[int] = set()
@@ -236,83 +313,57 @@ class Pi05Scheduler:
                 wanted.add(n % bmax)
         assert self.config.batch_buckets is not None
         new = tuple(sorted(wanted - set(self.config.batch_buckets)))
-        if not new:
-            return ()
-        self.config.batch_buckets = tuple(sorted({*self.config.batch_buckets, *new}))
-        if self.use_graphs and self.buffers is not None:
-            with torch.no_grad():
-                self._capture_buckets(new, self._noise_variants)
+        if new:
+            self.config.batch_buckets = tuple(sorted({*self.config.batch_buckets, *new}))
         return new
 
-    def _capture_all(self) -> None:
-        cfg = self.config
-        self._pool = torch.cuda.graph_pool_handle()
-        side = torch.cuda.Stream(self.device)
-        side.wait_stream(torch.cuda.current_stream(self.device))
-        with torch.cuda.stream(side):  # warm-up: cuBLAS workspaces, lazy inits
-            for cams in cfg.camera_sets:
-                self._prefix_stage(cfg.batch_buckets[-1], self.prompt_buckets[-1], cams)
-                for k in cfg.num_steps:
-                    for learned in self._noise_variants:
-                        self._denoise_stage(cfg.batch_buckets[-1], self.prompt_buckets[-1], cams, k, learned)
-        torch.cuda.current_stream(self.device).wait_stream(side)
-        torch.cuda.synchronize(self.device)
-        assert cfg.batch_buckets is not None
-        self._capture_buckets(cfg.batch_buckets, self._noise_variants)
+    def _ensure(self, b: int, length: int, cams: tuple[int, ...], k: int | None, learned: bool = False) -> None:
+        """Capture (CUDA) or record (CPU) the graphs of this shape that do not exist yet, and keep existing ones.
 
-    def _capture_learned_noise(self) -> None:
-        """Capture the denoise graphs with the noise head for every bucket (the first "noise" call's)."""
-        assert self.config.batch_buckets is not None
-        with torch.no_grad():
-            self._capture_buckets(self.config.batch_buckets, (True,), prefix=False)
-        self._noise_variants = (False, True)
+        The prefix graph, and the denoise graph unless k is None.
 
-    def _capture_buckets(self, buckets: Sequence[int], variants: Sequence[bool], prefix: bool = True) -> None:
-        """Capture the prefix (`prefix`) and denoise graphs of `buckets`, largest first, into the shared pool.
-
-        `variants`: the denoise graphs without (False) and with (True) the learned noise head.
-
-        The smallest bucket's denoise stages run once eagerly first: the expert attention splits its keys over
-        more programs at small batches (`attention_kernel`), and that kernel must compile outside a capture.
+        Runs before a call loads its inputs: the eager warm-up run writes the static buffers. It runs the new
+        stages once on a side stream (kernel compilation and lazy initialisation must happen outside a capture;
+        the side stream is ordered after a weight commit queued on the compute stream), then captures each.
         """
-        cfg = self.config
-        side = torch.cuda.Stream(self.device)
-        side.wait_stream(torch.cuda.current_stream(self.device))
-        with torch.cuda.stream(side):
-            for cams in cfg.camera_sets:
-                for k in cfg.num_steps:
-                    for learned in variants:
-                        self._denoise_stage(min(buckets), self.prompt_buckets[-1], cams, k, learned)
-        # Unreachable CUDA graphs (e.g. a dropped policy's, in a reference cycle) must not be destroyed by a
-        # garbage collection that happens to run inside a capture: that invalidates it.
-        gc.collect()
-        torch.cuda.current_stream(self.device).wait_stream(side)
-        try:
-            for b in sorted(buckets, reverse=True):
-                for length in self.prompt_buckets:
-                    for cams in cfg.camera_sets:
-                        if prefix:
-                            key = (b, length, cams)
-                            self._capture(self._prefix_graphs, key, self._prefix_stage, b, length, cams)
-                        for k in cfg.num_steps:
-                            for learned in variants:
-                                key = (b, length, cams, k, learned)
-                                self._capture(self._denoise_graphs, key, self._denoise_stage, b, length, cams, k,
-                                              learned)  # fmt: skip
-        except RuntimeError as err:
-            raise CaptureError(
-                f"CUDA graph capture failed ({err}). Remedies: (1) a smaller max_batch_size; (2) fewer "
-                "batch_buckets, prompt_buckets, num_steps or camera_sets; (3) cuda_graphs=False to run "
-                "eagerly (slower, same results)."
-            ) from err
-
-    def _capture(self, registry: dict, key: tuple, fn, *args) -> None:
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph, pool=self._pool):
-            fn(*args)
-        registry[key] = graph
-        self.stats.captures += 1
-        self.stats.graph_keys.append(key)
+        keys: list[tuple] = [(b, length, cams)] + ([] if k is None else [(b, length, cams, k, learned)])
+        known = (self._prefix_graphs.keys() | self._denoise_graphs.keys()) if self.use_graphs else self._met
+        new = [key for key in keys if key not in known]
+        if not new:
+            return
+        if not self.use_graphs:
+            self._met.update(new)
+            self.stats.graph_keys.extend(new)
+            return
+        start = time.perf_counter()
+        stages = {3: self._prefix_stage, 5: self._denoise_stage}
+        with torch.no_grad():
+            side = torch.cuda.Stream(self.device)
+            side.wait_stream(torch.cuda.current_stream(self.device))
+            with torch.cuda.stream(side):
+                for key in new:
+                    stages[len(key)](*key)
+            torch.cuda.current_stream(self.device).wait_stream(side)
+            # Unreachable CUDA graphs (e.g. a dropped policy's, in a reference cycle) must not be destroyed by a
+            # garbage collection that happens to run inside a capture: that invalidates it.
+            gc.collect()
+            try:
+                for key in new:
+                    registry = self._prefix_graphs if len(key) == 3 else self._denoise_graphs
+                    graph = torch.cuda.CUDAGraph()
+                    # thread_local: a capture mid-run must not fail CUDA calls of other threads (envs, weight staging)
+                    with torch.cuda.graph(graph, pool=self._pool, capture_error_mode="thread_local"):
+                        stages[len(key)](*key)
+                    registry[key] = graph
+                    self.stats.captures += 1
+                    self.stats.graph_keys.append(key)
+            except RuntimeError as err:
+                raise CaptureError(
+                    f"CUDA graph capture of shape {key} failed ({err}). Remedies: (1) a smaller max_batch_size; "
+                    "(2) fewer batch_buckets, prompt_buckets, num_steps or camera_sets; (3) cuda_graphs=False to "
+                    "run eagerly (slower, same results)."
+                ) from err
+        self.stats.capture_seconds += time.perf_counter() - start
 
     # ------------------------------------------------------------------------------------ stage bodies
     def _prefix_stage(self, b: int, length: int, cams: tuple[int, ...]) -> None:
@@ -376,6 +427,11 @@ class Pi05Scheduler:
         buckets = self.config.batch_buckets
         assert buckets is not None
         return buckets[bisect.bisect_left(buckets, n)]
+
+    def _chunk_buckets(self, n: int) -> set[int]:
+        """Buckets of the max_batch_size chunks a call of `n` rows is split into."""
+        bmax = self.config.max_batch_size
+        return {self.bucket_for(min(bmax, n - start)) for start in range(0, n, bmax)}
 
     def prompt_bucket_for(self, length: int) -> int:
         """Smallest prompt bucket >= length."""
@@ -477,11 +533,11 @@ class Pi05Scheduler:
         """
         cams = self._check(inputs, opts)
         learned = opts.method == "noise"  # `_check`: the model has the head
-        if learned and learned not in self._noise_variants and self.use_graphs:
-            self._capture_learned_noise()  # before loading: its warm-up runs write the static buffers
         length = self.prompt_bucket_for(inputs.tokens.shape[1])
         k, bmax = opts.num_steps, self.config.max_batch_size
         t = len(cams) * self.model.config.vision.num_patches + length
+        for b in self._chunk_buckets(inputs.batch_size):  # before loading: a first use's warm-up writes the buffers
+            self._ensure(b, length, cams, k, learned)
         parts, prefixes = [], []
         for start in range(0, inputs.batch_size, bmax):
             index = slice(start, start + bmax)
@@ -524,6 +580,8 @@ class Pi05Scheduler:
         if cams not in self.config.camera_sets:
             raise GraphKeyError(f"camera set {cams} was not declared in setup(camera_sets={self.config.camera_sets}).")
         length = self.prompt_bucket_for(inputs.tokens.shape[1])
+        for b in self._chunk_buckets(inputs.batch_size):
+            self._ensure(b, length, cams, None)
         out = []
         zeros = torch.zeros(inputs.batch_size, dtype=torch.int64, device=self.device)
         for start in range(0, inputs.batch_size, self.config.max_batch_size):

@@ -121,6 +121,8 @@ def test_bf16_trainer_with_float32_master_weights() -> None:
 
 def test_declare_batch_sizes_gives_each_size_its_bucket() -> None:
     policy = make_policy("prefix", max_batch_size=4)
+    assert policy.scheduler.bucket_for(3) == 3 and policy.declare_batch_sizes([3, 6]) == ()  # default: every size
+    policy.scheduler.config.batch_buckets = (1, 2, 4)  # a coarser grid, as SchedulerConfig(batch_buckets=...) gives
     assert policy.scheduler.bucket_for(3) == 4
     assert policy.declare_batch_sizes([3, 6]) == (3,)  # 6 = 4 + 2: the remainder has its bucket already
     assert policy.scheduler.bucket_for(3) == 3 and policy.declare_batch_sizes([3]) == ()
@@ -154,7 +156,7 @@ def test_buckets_declared_by_the_wrapper_serve_100_steps_with_autoresets() -> No
     from wrappers import PolicyVectorEnv
 
     policy = make_policy(action_dim=1, max_batch_size=4)
-    assert policy.scheduler.bucket_for(3) == 4
+    policy.scheduler.config.batch_buckets = (1, 2, 4)  # a coarser grid than the default (every size)
     envs = PolicyVectorEnv(make_env("target", 3, num_targets=2, episode_length=2), policy, action_chunk=1)
     buckets = policy.scheduler.config.batch_buckets
     assert policy.scheduler.bucket_for(3) == 3

@@ -24,7 +24,7 @@ def make_scheduler(max_batch_size: int = 4, **kw) -> Pi05Scheduler:
 
 @pytest.fixture(scope="module")
 def sched() -> Pi05Scheduler:
-    return make_scheduler()
+    return make_scheduler(batch_buckets=(1, 2, 4))
 
 
 def streams(n: int, offset: int = 0):
@@ -37,16 +37,18 @@ def run(sched, x, seeds, counters, opts=OPTS):
 
 
 def test_default_buckets_and_bucket_choice() -> None:
-    assert default_batch_buckets(64) == (1, 2, 4, 8, 16, 32, 64)
-    assert default_batch_buckets(6) == (1, 2, 4, 6)
+    assert default_batch_buckets(64) == tuple(range(1, 65))
     assert default_batch_buckets(1) == (1,)
     cfg = SchedulerConfig(max_batch_size=6, prompt_buckets=(48, 16, 16))
-    assert cfg.batch_buckets == (1, 2, 4, 6) and cfg.prompt_buckets == (16, 48)
+    assert cfg.batch_buckets == (1, 2, 3, 4, 5, 6) and cfg.prompt_buckets == (16, 48)
     with pytest.raises(ValueError, match="max_batch_size"):
         SchedulerConfig(max_batch_size=8, batch_buckets=(1, 4))
     with pytest.raises(ValueError, match="max_batch_size"):
         SchedulerConfig(max_batch_size=0)
     sched = Pi05Scheduler(make_model(0), SchedulerConfig(max_batch_size=6, num_steps=(5,), prompt_buckets=(16,)))
+    assert [sched.bucket_for(n) for n in range(1, 7)] == [1, 2, 3, 4, 5, 6]
+    sched = Pi05Scheduler(make_model(0), SchedulerConfig(max_batch_size=6, batch_buckets=(1, 2, 4, 6),
+                                                         num_steps=(5,), prompt_buckets=(16,)))  # fmt: skip
     assert [sched.bucket_for(n) for n in range(1, 7)] == [1, 2, 4, 4, 6, 6]
     # prompt buckets are capped at max_token_len (48 for tiny), which is always a bucket
     assert sched.prompt_buckets == (16, 48)
@@ -124,7 +126,7 @@ def test_pad_rows_do_not_change_real_rows(sched) -> None:
 
 
 def test_padded_and_split_calls_match_single_calls() -> None:
-    sched = make_scheduler(max_batch_size=4)
+    sched = make_scheduler(max_batch_size=4, batch_buckets=(1, 2, 4))
     n = 9  # 4 + 4 + 1
     x = make_inputs(n, seed=23)
     seeds, counters = streams(n)
@@ -191,7 +193,7 @@ def test_outputs_do_not_alias_static_buffers(sched) -> None:
 
 
 def test_prefix_value_path_is_padded_and_row_independent() -> None:
-    sched = make_scheduler(max_batch_size=4, value_source="prefix", num_steps=(5,))
+    sched = make_scheduler(max_batch_size=4, value_source="prefix", num_steps=(5,), batch_buckets=(1, 2, 4))
     x = make_inputs(3, seed=27)
     both = sched.prefix_value(x)  # bucket 4
     for i in range(3):

@@ -631,6 +631,7 @@ def test_cuda_commit_is_stream_ordered_without_sync(host_source: bool) -> None:
     assert policy.scheduler.use_graphs
     source = make_model(seed=7, device="cuda" if not host_source else "cpu")
     state = {n: (p.detach().pin_memory() if host_source else p.detach()) for n, p in source.named_parameters()}
+    policy.scheduler.warmup([(64, 16)])  # captured before the timed sequence (graphs are captured on first use)
     captures = policy.scheduler.stats.captures
     torch.cuda.synchronize()
     busy_gpu()  # ~0.1 s of GPU work ahead of the replay

@@ -540,9 +540,10 @@ class AttentionConfig:
     least the device's ``flash_min_scores`` score elements where it runs: CUDA sm90/sm100, a half dtype,
     `flash_attn.cute` importable; the expert's autograd calls go to "gemm"); without triton "flash_large" for the prefix
     (the same hand-over, to SDPA below it) and "gemm" for the expert; SDPA for the vision tower (the Triton kernel ran
-    its 16-head calls 2.9x slower: `attention_backend.jsonl` rows with ``tune`` at site "vision") and everywhere else. A
-    request that cannot be served falls back (flash -> sdpa, triton -> gemm -> sdpa) and the fallback is recorded in
-    `AttentionPlan.reasons`; `AttentionPlan.flash` says which flash kernel runs, or why none does.
+    its 16-head calls 2.9x slower: `attention_backend.jsonl` rows with ``tune`` at site "vision") and everywhere else
+    (`AUTO` lists each site's candidates in that order). A request that cannot be served falls back (flash -> sdpa,
+    triton -> gemm -> sdpa: `HANDOVER`) and the fallback is recorded in `AttentionPlan.reasons`; `AttentionPlan.flash`
+    says which flash kernel runs, or why none does.
 
     Example:
         >>> plan = AttentionConfig(prefix="eager").resolve(torch.device("cpu"), torch.float32)

@@ -26,7 +26,12 @@ distribution; see `flash_attn_status`). Key validity reaches it as lengths: the 
 them), so each row's valid keys are moved to the front (a stable scatter computed on the device, no host sync) and
 the kernel reads the first ``seqused_k`` of them. It serves forward-only calls on CUDA sm90/sm100 in half dtypes
 with a head width it compiles (8..256, a multiple of 8); any other call, and every call when the package is
-missing or its probe kernel failed, hands over to SDPA. `served_by` names the kernel a call of a given shape runs.
+missing or its probe kernel failed, hands over to SDPA.
+
+Routing is written once: `_refusal` holds each backend's rule and `HANDOVER` where it sends the calls it refuses;
+`route` walks that chain for a call's shape (`served_by` reports it, `attend` follows it and then checks what only
+the tensors tell: the Triton kernel's layout rules, the flash probe), and `AttentionConfig.resolve` picks each
+site's "auto" backend from `AUTO` with the device-wide parts of the same rules.
 
 Query rows of padded tokens are never read downstream; the additive mask uses a large *finite* negative
 (-2.3819763e38, as openpi/LeRobot) so such rows stay finite (uniform attention) instead of NaN.
@@ -116,11 +121,6 @@ def mask_dtype(backend: str, dtype: torch.dtype, gemm_served: bool = False) -> t
     return torch.float32 if backend in ("triton", "triton_flash") or backend == "gemm" and gemm_served else dtype
 
 
-def _scores(q: torch.Tensor, k: torch.Tensor) -> int:
-    """Score elements of a call: B * Nh * T * S."""
-    return q.shape[0] * q.shape[1] * q.shape[2] * k.shape[2]
-
-
 def additive_mask(key_mask: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     """(B, S) bool key validity -> (B, 1, 1, S) additive mask (0 or MASK_VALUE) in `dtype`; build once per stage."""
     mask = torch.zeros(key_mask.shape, dtype=dtype, device=key_mask.device)
@@ -153,8 +153,6 @@ def _sdpa(q, k, v, key_mask, scale):
         v = v.repeat_interleave(groups, dim=1)
         groups = 1
     return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale, enable_gqa=groups > 1)
-
-
 
 
 @functools.cache
@@ -199,14 +197,6 @@ def gemm_serves(
     return kv_heads == 1 and (grad or batch * heads * queries * keys <= tuning.thresholds(device).gemm_max_scores)
 
 
-def _gemm(q, k, v, key_mask, scale):
-    b, n, t, _ = q.shape
-    needs_grad = torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad)
-    if not gemm_serves(b, n, k.shape[1], t, k.shape[2], needs_grad, q.device):
-        return _sdpa(q, k, v, key_mask, scale)
-    return gemm_attention(q, k, v, key_mask, scale)
-
-
 def gemm_attention(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, key_mask: torch.Tensor | None, scale: float
 ) -> torch.Tensor:
@@ -234,14 +224,28 @@ def gemm_attention(
     return out.view(b, n, t, hd)
 
 
-def triton_shape_status(
-    device: torch.device, dtype: torch.dtype, kv_heads: int, head_dim: int, grad: bool = False
-) -> str | None:
-    """Why "triton" hands a call of this geometry to "gemm", or None when `attention_kernel` runs it."""
+def triton_device_status(device: torch.device) -> str | None:
+    """Why the Triton attention kernel cannot run on `device` (triton missing, not CUDA), or None.
+
+    What "auto" asks of a device before it picks "triton_flash"; a call's own checks are `triton_shape_status`.
+    """
     if not kernels.HAS_TRITON:
         return "triton is not installed"
     if device.type != "cuda":
         return f"device is {device.type}, not CUDA"
+    return None
+
+
+def triton_shape_status(
+    device: torch.device, dtype: torch.dtype, kv_heads: int, head_dim: int, grad: bool = False
+) -> str | None:
+    """Why "triton" hands a call of this geometry to "gemm", or None when `attention_kernel` runs it.
+
+    Under Triton's interpreter (tests) a CPU device runs the kernel too.
+    """
+    reason = triton_device_status(device)
+    if reason is not None and not (kernels.INTERPRETED and device.type == "cpu"):
+        return reason
     if dtype not in FLASH_DTYPES:
         return f"dtype {dtype} (the kernel runs float16/bfloat16)"
     if grad:
@@ -253,26 +257,27 @@ def triton_shape_status(
     return None
 
 
-def _triton(q, k, v, key_mask, scale):
-    if not attention_kernel.serves(q, k, v):
-        return _gemm(q, k, v, key_mask, scale)
-    if key_mask is not None and key_mask.dtype == torch.bool:
-        key_mask = additive_mask(key_mask, torch.float32)
-    return attention_kernel.attend(q, k, v, key_mask, scale)
-
-
 FLASH_DTYPES = (torch.float16, torch.bfloat16)
+
+
+def flash_dtype_status(device: torch.device, dtype: torch.dtype) -> str | None:
+    """Why FlashAttention-4 runs no call in `dtype` on `device` (`flash_device_status`, or the dtype), or None.
+
+    What "auto" and a "flash" request ask of a device and dtype; a call's own checks are `flash_shape_status`.
+    """
+    reason = flash_device_status(device)
+    if reason is None and dtype not in FLASH_DTYPES:
+        reason = f"dtype {dtype} (flash runs float16/bfloat16)"
+    return reason
 
 
 def flash_shape_status(
     device: torch.device, dtype: torch.dtype, heads: int, kv_heads: int, head_dim: int, grad: bool = False
 ) -> str | None:
     """Why a call of this geometry does not run FlashAttention-4, or None when it does (see `served_by`)."""
-    reason = flash_device_status(device)
+    reason = flash_dtype_status(device, dtype)
     if reason is not None:
         return reason
-    if dtype not in FLASH_DTYPES:
-        return f"dtype {dtype} (flash runs float16/bfloat16)"
     if grad:
         return "autograd call (flash is routed forward-only)"
     major = torch.cuda.get_device_capability(device)[0]
@@ -314,8 +319,13 @@ def flash_serves(q: torch.Tensor, k: torch.Tensor, key_mask: torch.Tensor | None
     """
     grad = torch.is_grad_enabled() and (q.requires_grad or k.requires_grad)
     reason = flash_shape_status(q.device, q.dtype, q.shape[1], k.shape[1], q.shape[-1], grad)
-    if reason is not None or k.dtype != q.dtype:
-        return reason or f"k dtype {k.dtype} != q dtype {q.dtype}"
+    return reason if reason is not None else _flash_call_status(q, k, key_mask)
+
+
+def _flash_call_status(q: torch.Tensor, k: torch.Tensor, key_mask: torch.Tensor | None) -> str | None:
+    """What `flash_serves` checks beyond the geometry (`flash_shape_status`): K's dtype, and the probe call."""
+    if k.dtype != q.dtype:
+        return f"k dtype {k.dtype} != q dtype {q.dtype}"
     if torch.cuda.is_current_stream_capturing():
         return None
     return _flash_probe(q.device, q.dtype, q.shape[1], k.shape[1], q.shape[-1], key_mask is not None)
@@ -365,10 +375,95 @@ def _flash_call(q, k, v, key_mask, scale, key_lengths=None):
     return out.transpose(1, 2)
 
 
-def _flash(q, k, v, key_mask, scale, key_lengths=None):
-    if flash_serves(q, k, key_mask) is not None:
-        return _sdpa(q, k, v, key_mask, scale)
-    return _flash_call(q, k, v, key_mask, scale, key_lengths)
+HANDOVER = {"triton_flash": "triton", "triton": "gemm", "gemm": "sdpa", "flash": "sdpa", "flash_large": "sdpa"}
+"""Where each backend hands a call it does not serve itself ("eager" and "sdpa" serve every call)."""
+KERNEL_OF = {"flash": "flash", "flash_large": "flash", "triton_flash": "flash", "triton": "triton", "gemm": "gemm"}
+"""The kernel a backend runs for the calls it serves itself (the rest: the backend's own name)."""
+
+
+def _refusal(
+    backend: str,
+    device: torch.device,
+    dtype: torch.dtype,
+    batch: int,
+    heads: int,
+    kv_heads: int,
+    queries: int,
+    keys: int,
+    head_dim: int,
+    grad: bool,
+) -> str | None:
+    """Why `backend` does not serve a call of this geometry itself, as "<backend>: <why>", or None when it does.
+
+    The one place the rules live: `route` (and through it `served_by` and `attend`) and `AttentionConfig.resolve`
+    (through `flash_dtype_status` / `triton_device_status`) read them.
+    """
+    if backend in ("eager", "sdpa"):
+        return None
+    if backend == "gemm":
+        served = gemm_serves(batch, heads, kv_heads, queries, keys, grad, device)
+        return None if served else "gemm: above gemm_max_scores or several K/V heads"
+    if backend == "triton":
+        reason = triton_shape_status(device, dtype, kv_heads, head_dim, grad)
+        return None if reason is None else f"triton: {reason}"
+    if backend not in ("flash", "flash_large", "triton_flash"):
+        raise ValueError(f"attention backend: expected one of {BACKENDS}, got {backend!r}.")
+    if backend != "flash" and batch * heads * queries * keys < tuning.thresholds(device).flash_min_scores:
+        return f"{backend}: below flash_min_scores"
+    reason = flash_shape_status(device, dtype, heads, kv_heads, head_dim, grad)
+    return None if reason is None else f"flash: {reason}"
+
+
+def _route(
+    backend: str,
+    device: torch.device,
+    dtype: torch.dtype,
+    batch: int,
+    heads: int,
+    kv_heads: int,
+    queries: int,
+    keys: int,
+    head_dim: int,
+    grad: bool,
+) -> tuple[str, str | None, str]:
+    """(kernel, note, the backend that served it): `backend`'s hand-over chain walked until a backend serves.
+
+    The note says why a call ended on SDPA after a hand-over (the last refusal), or that "triton_flash" ran flash.
+    """
+    note = None
+    while True:
+        refusal = _refusal(backend, device, dtype, batch, heads, kv_heads, queries, keys, head_dim, grad)
+        if refusal is None:
+            kernel = KERNEL_OF.get(backend, backend)
+            if backend == "triton_flash":
+                note = "triton_flash: at or above flash_min_scores"
+            elif kernel != "sdpa":
+                note = None
+            return kernel, note, backend
+        note, backend = refusal, HANDOVER[backend]
+
+
+def route(
+    backend: str,
+    device: torch.device,
+    dtype: torch.dtype,
+    batch: int,
+    heads: int,
+    kv_heads: int,
+    queries: int,
+    keys: int,
+    head_dim: int,
+    grad: bool = False,
+) -> tuple[str, str | None]:
+    """The kernel ("eager", "sdpa", "flash", "gemm" or "triton") a call of this shape runs under `backend`, and a note.
+
+    Each backend serves the calls its rule admits (`_refusal`) and hands the others on (`HANDOVER`): "triton_flash"
+    to "triton" below ``flash_min_scores`` or where flash does not run, "triton" to "gemm", "gemm", "flash" and
+    "flash_large" to SDPA. The note says why a call ended on SDPA (e.g. ``flash: autograd call ...``), or None.
+    `attend` follows the same route, then checks what only a call's tensors tell (layout, the flash probe).
+    """
+    kernel, note, _ = _route(backend, device, dtype, batch, heads, kv_heads, queries, keys, head_dim, grad)
+    return kernel, note
 
 
 def served_by(
@@ -383,29 +478,14 @@ def served_by(
     head_dim: int,
     grad: bool = False,
 ) -> str:
-    """The kernel a call of this shape runs: "eager", "sdpa", "gemm", "triton" or the flash kernel name.
+    """The kernel a call of this shape runs: "eager", "sdpa", "gemm", "triton" or the flash kernel name (`route`).
 
     A hand-over says why, e.g. ``sdpa (flash: autograd call ...)``. The flash probe is not run here: its result is
     reported once it ran (`flash_probe_result`).
     """
-    if backend == "triton_flash":
-        large = batch * heads * queries * keys >= tuning.thresholds(device).flash_min_scores
-        if large and flash_shape_status(device, dtype, heads, kv_heads, head_dim, grad) is None:
-            return f"{flash_kernel_name()} (triton_flash: at or above flash_min_scores)"
-        backend = "triton"
-    if backend == "triton":
-        if triton_shape_status(device, dtype, kv_heads, head_dim, grad) is None:
-            return "triton"
-        backend = "gemm"
-    if backend == "gemm":
-        served = gemm_serves(batch, heads, kv_heads, queries, keys, grad, device)
-        return "gemm" if served else "sdpa (gemm: above gemm_max_scores or several K/V heads)"
-    if backend == "flash_large" and batch * heads * queries * keys < tuning.thresholds(device).flash_min_scores:
-        return "sdpa (flash_large: below flash_min_scores)"
-    if backend in ("flash", "flash_large"):
-        reason = flash_shape_status(device, dtype, heads, kv_heads, head_dim, grad)
-        return f"sdpa (flash: {reason})" if reason else flash_kernel_name()
-    return backend
+    kernel, note = route(backend, device, dtype, batch, heads, kv_heads, queries, keys, head_dim, grad)
+    name = flash_kernel_name() if kernel == "flash" else kernel
+    return name if note is None else f"{name} ({note})"
 
 
 def flash_probe_result(
@@ -427,26 +507,28 @@ def attend(
 ) -> torch.Tensor:
     """Multi-query attention; `key_mask` is (B, S) bool validity or a prebuilt `additive_mask`.
 
-    `key_lengths` (B,) int32 says that each row's valid keys are its first ``key_lengths[b]`` (as `key_mask` says):
-    FlashAttention then reads K and V in place instead of a valid-first copy. Returns (B, Nh, T, hd) in v's dtype.
+    The kernel is `route`'s for the call's shape; where the call's tensors refuse it (the Triton kernel's layout
+    rules, a failed flash probe), the call goes on along the backend's hand-over chain. `key_lengths` (B,) int32
+    says that each row's valid keys are its first ``key_lengths[b]`` (as `key_mask` says): FlashAttention then
+    reads K and V in place instead of a valid-first copy. Returns (B, Nh, T, hd) in v's dtype.
     """
-    if backend == "sdpa":
-        return _sdpa(q, k, v, key_mask, scale)
-    if backend == "flash":
-        return _flash(q, k, v, key_mask, scale, key_lengths)
-    if backend == "flash_large":
-        if _scores(q, k) >= tuning.thresholds(q.device).flash_min_scores:
-            return _flash(q, k, v, key_mask, scale, key_lengths)
-        return _sdpa(q, k, v, key_mask, scale)
-    if backend == "gemm":
-        return _gemm(q, k, v, key_mask, scale)
-    if backend == "triton":
-        return _triton(q, k, v, key_mask, scale)
-    if backend == "triton_flash":
-        if _scores(q, k) >= tuning.thresholds(q.device).flash_min_scores and flash_serves(q, k, key_mask) is None:
+    b, n, t, hd = q.shape
+    grad = torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad)
+    while True:
+        kernel, _, via = _route(backend, q.device, q.dtype, b, n, k.shape[1], t, k.shape[2], hd, grad)
+        if kernel == "sdpa":
+            return _sdpa(q, k, v, key_mask, scale)
+        if kernel == "gemm":
+            return gemm_attention(q, k, v, key_mask, scale)
+        if kernel == "triton" and attention_kernel.serves(q, k, v):
+            if key_mask is not None and key_mask.dtype == torch.bool:
+                key_mask = additive_mask(key_mask, torch.float32)
+            return attention_kernel.attend(q, k, v, key_mask, scale)
+        if kernel == "flash" and _flash_call_status(q, k, key_mask) is None:
             return _flash_call(q, k, v, key_mask, scale, key_lengths)
-        return _triton(q, k, v, key_mask, scale)
-    return _eager(q, k, v, key_mask, scale)
+        if kernel == "eager":
+            return _eager(q, k, v, key_mask, scale)
+        backend = HANDOVER[via]  # the call's tensors refused the kernel: on along the chain
 
 
 @dataclass
@@ -458,9 +540,10 @@ class AttentionConfig:
     least the device's ``flash_min_scores`` score elements where it runs: CUDA sm90/sm100, a half dtype,
     `flash_attn.cute` importable; the expert's autograd calls go to "gemm"); without triton "flash_large" for the prefix
     (the same hand-over, to SDPA below it) and "gemm" for the expert; SDPA for the vision tower (the Triton kernel ran
-    its 16-head calls 2.9x slower: `attention_backend.jsonl` rows with ``tune`` at site "vision") and everywhere else. A
-    request that cannot be served falls back (flash -> sdpa, triton -> gemm -> sdpa) and the fallback is recorded in
-    `AttentionPlan.reasons`; `AttentionPlan.flash` says which flash kernel runs, or why none does.
+    its 16-head calls 2.9x slower: `attention_backend.jsonl` rows with ``tune`` at site "vision") and everywhere else
+    (`AUTO` lists each site's candidates in that order). A request that cannot be served falls back (flash -> sdpa,
+    triton -> gemm -> sdpa: `HANDOVER`) and the fallback is recorded in `AttentionPlan.reasons`; `AttentionPlan.flash`
+    says which flash kernel runs, or why none does.
 
     Example:
         >>> plan = AttentionConfig(prefix="eager").resolve(torch.device("cpu"), torch.float32)
@@ -484,26 +567,21 @@ class AttentionConfig:
                 )
 
     def resolve(self, device: torch.device, dtype: torch.dtype) -> AttentionPlan:
-        """Pick a concrete backend per site for `device` and `dtype`."""
-        no_flash = flash_device_status(device)
-        if no_flash is None and dtype not in FLASH_DTYPES:
-            no_flash = f"dtype {dtype} (flash runs float16/bfloat16)"
+        """Pick a concrete backend per site for `device` and `dtype` ("auto": the first of `AUTO` the device runs)."""
+        no_flash = flash_dtype_status(device, dtype)
         plan = AttentionPlan(flash=flash_kernel_name() if no_flash is None else f"not run: {no_flash}")
         for site in SITES:
             want = getattr(self, site)
             if want == "auto":
-                if site == "expert" and device.type == "cuda" and not kernels.HAS_TRITON:
-                    choice = "gemm"
-                elif site in ("prefix", "expert") and device.type == "cuda" and kernels.HAS_TRITON:
-                    choice = "triton_flash"
-                    if no_flash is not None:
-                        plan.reasons[site] = f"auto: large calls stay on triton, flash not run ({no_flash})"
-                elif site == "prefix" and no_flash is None:
-                    choice = "flash_large"
-                else:
-                    choice = "sdpa"
-                    if site == "prefix":
-                        plan.reasons[site] = f"auto: flash not run ({no_flash}); using sdpa"
+                refused = []
+                for choice in AUTO[site]:
+                    if _auto_refusal(choice, device, dtype) is None:
+                        break
+                    refused.append(choice)
+                if choice == "triton_flash" and no_flash is not None:
+                    plan.reasons[site] = f"auto: large calls stay on triton, flash not run ({no_flash})"
+                elif choice == "sdpa" and "flash_large" in refused:
+                    plan.reasons[site] = f"auto: flash not run ({no_flash}); using sdpa"
             elif want in ("flash", "flash_large") and no_flash is not None:
                 choice = "sdpa"
                 plan.reasons[site] = f"flash requested but {no_flash}; fell back to sdpa"
@@ -511,6 +589,29 @@ class AttentionConfig:
                 choice = want
             setattr(plan, site, choice)
         return plan
+
+
+AUTO = {
+    "vision": ("sdpa",),
+    "prefix": ("triton_flash", "flash_large", "sdpa"),
+    "expert": ("triton_flash", "gemm", "sdpa"),
+}
+"""Each site's "auto" candidates, best first (`AttentionConfig`); a site takes the first its device runs."""
+
+
+def _auto_refusal(backend: str, device: torch.device, dtype: torch.dtype) -> str | None:
+    """Why "auto" passes over `backend` on `device` in `dtype`: the device-wide parts of `_refusal`'s rules.
+
+    "triton_flash" needs the Triton kernel's device (its hand-overs serve every other call); "flash_large" a device
+    and dtype flash runs; "gemm" CUDA (where it was measured; it computes anywhere).
+    """
+    if backend == "triton_flash":
+        return triton_device_status(device)
+    if backend == "flash_large":
+        return flash_dtype_status(device, dtype)
+    if backend == "gemm" and device.type != "cuda":
+        return f"device is {device.type}, not CUDA"
+    return None
 
 
 @dataclass

@@ -3,6 +3,10 @@
 Parameter names follow transformers' Gemma (`self_attn.q_proj`, `mlp.gate_proj`, `input_layernorm`, ...) so that
 LeRobot/openpi checkpoints map by prefix only. The expert's norms are adaptive (adaRMS: a Dense of the time
 condition gives scale | shift | gate); the LM's are plain (1 + w) RMSNorms. Norm statistics run in float32.
+
+Each block owns its kernel choice: `add_norm` (a residual add and the next norm) and `project` (q/k/v with RoPE)
+take `use_kernels`, decided once per call by the stack (`kernels.fused_path`): True runs the fused kernels of
+`kernels.py`, False the PyTorch reference ops, which are the unfused model's ops in its order (bit-identical).
 """
 
 from __future__ import annotations
@@ -11,6 +15,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from . import geglu_gemm, kernels
 from .config import GemmaConfig
 from .kernels import geglu
 
@@ -48,6 +53,18 @@ class RMSNorm(nn.Module):
         # Half dtypes: one fused pass (statistics in float32 inside the kernel), weight applied in x's dtype.
         return F.rms_norm(x, (x.shape[-1],), weight=(1.0 + self.weight.float()).to(x.dtype), eps=self.eps)
 
+    def add_norm(
+        self, x: torch.Tensor, delta: torch.Tensor | None, use_kernels: bool, store_residual: bool = True
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """(r, norm(r)) for the residual r = x + delta (delta None: x): `kernels.add_norm` or the plain add and norm.
+
+        `store_residual=False` (the final norm) lets the kernel skip writing r.
+        """
+        if use_kernels:
+            return kernels.add_norm(x, delta, self.weight, self.eps, add_one=True, store_residual=store_residual)
+        r = x if delta is None else x + delta
+        return r, self(r)
+
 
 class AdaRMSNorm(nn.Module):
     """Adaptive RMSNorm: `dense(cond)` -> scale | shift | gate; y = r (1 + scale) + shift.
@@ -79,6 +96,30 @@ class AdaRMSNorm(nn.Module):
             return y, gate.to(x.dtype)
         y = torch.addcmul(shift, rms_normalize(x.float(), self.eps), scale1)
         return y.to(x.dtype), gate.to(x.dtype)
+
+    def add_norm(
+        self,
+        x: torch.Tensor,
+        delta: torch.Tensor | None,
+        gate: torch.Tensor | None,
+        mod: Modulation,
+        use_kernels: bool,
+        out_dtype: torch.dtype | None = None,
+        store_residual: bool = True,
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """(r, y, this norm's gate) for the gated residual r = x + gate * delta (delta None: x) and y = norm(r, mod).
+
+        `gate` is what the previous norm returned; `out_dtype` stores y so (the final norm's float32), and
+        `store_residual=False` lets the kernel skip writing r. `kernels.add_norm`, or addcmul and `forward`.
+        """
+        scale1, shift, next_gate = mod
+        if use_kernels:
+            r, y = kernels.add_norm(x, delta, scale1, self.eps, gate=gate, shift=shift, out_dtype=out_dtype,
+                                    store_residual=store_residual)  # fmt: skip
+            return r, y, next_gate
+        r = x if delta is None else torch.addcmul(x, delta, gate)
+        y, next_gate = self(r, mod)
+        return r, y if out_dtype is None else y.to(out_dtype), next_gate
 
 
 def rope_cos_sin(
@@ -154,6 +195,47 @@ class GemmaAttentionProj(nn.Module):
             q = apply_rope(q, cos, sin)
         return q, k, v
 
+    def project(
+        self,
+        h: torch.Tensor,
+        cos: torch.Tensor,
+        sin: torch.Tensor,
+        use_kernels: bool,
+        fused: torch.Tensor | None = None,
+        need_q: bool = True,
+        k_out: torch.Tensor | None = None,
+        v_out: torch.Tensor | None = None,
+        kv_rows: torch.Tensor | None = None,
+    ) -> tuple[torch.Tensor | None, torch.Tensor, torch.Tensor]:
+        """(B, T, width) -> q (B, N, T, hd) or None, k and v (B, Nkv, T, hd) for attention, RoPE on q and k.
+
+        `k_out`, `v_out` (B, Nkv, T', hd): where K and V are written too (cache slots). With `use_kernels` one
+        `kernels.qkv_rope` writes q token-major and K/V into them (rows `kv_rows` (B, T) where given; fresh slots
+        where they are None) after one GEMM (`fused`, see `fused_weight`) or three; cos/sin are then (B, T, hd)
+        (`rope_cos_sin(...)[:, 0]`) and the returned k, v are the slots. Else `qkv` (cos/sin (B, 1, T, hd)), with
+        K/V copied into the slots: the returned k, v are `qkv`'s own tensors (the slots are not read back).
+        """
+        if not use_kernels:
+            q, k, v = self.qkv(h, cos, sin, need_q, fused)
+            if k_out is not None and v_out is not None:
+                k_out.copy_(k)
+                v_out.copy_(v)
+            return q, k, v
+        b, t, _ = h.shape
+        n, nkv, hd = self.num_heads, self.num_kv_heads, self.head_dim
+        if k_out is None or v_out is None:
+            k_out = torch.empty(b, nkv, t, hd, dtype=h.dtype, device=h.device)
+            v_out = torch.empty_like(k_out)
+        if fused is not None:  # one GEMM: [q;k;v], or the [k;v] rows when q is not needed
+            y = F.linear(h, fused if need_q else fused[n * hd :]).view(b, t, -1, hd)
+            q_src, k_src, v_src = y[:, :, :n] if need_q else None, y[:, :, -2 * nkv : -nkv], y[:, :, -nkv:]
+        else:
+            q_src = self.q_proj(h).view(b, t, n, hd) if need_q else None
+            k_src, v_src = self.k_proj(h).view(b, t, nkv, hd), self.v_proj(h).view(b, t, nkv, hd)
+        q = torch.empty(b, t, n, hd, dtype=h.dtype, device=h.device) if need_q else None
+        kernels.qkv_rope(q_src, k_src, v_src, cos, sin, q, k_out.transpose(1, 2), v_out.transpose(1, 2), kv_rows)
+        return (q.transpose(1, 2) if q is not None else None), k_out, v_out
+
     def out(self, attn: torch.Tensor) -> torch.Tensor:
         """(B, N, T, hd) -> (B, T, width)."""
         b, _, t, _ = attn.shape
@@ -177,8 +259,16 @@ class GemmaMLP(nn.Module):
         """[gate; up] rows stacked (a derived copy, refreshed after weight updates)."""
         return torch.cat(self.fused_parts(), dim=0)
 
-    def forward(self, x: torch.Tensor, fused: torch.Tensor | None = None) -> torch.Tensor:
-        """(..., width) -> (..., width); `fused` = `fused_weight()` runs gate and up as one GEMM."""
+    def forward(
+        self, x: torch.Tensor, fused: torch.Tensor | None = None, stack: torch.Tensor | None = None
+    ) -> torch.Tensor:
+        """(..., width) -> (..., width).
+
+        `fused` = `fused_weight()` runs gate and up as one GEMM; `stack` (`geglu_gemm.stack_gate_up`'s blocks) gate,
+        up and GeGLU as one (`geglu_gemm.geglu_linear`).
+        """
+        if stack is not None:
+            return self.down_proj(geglu_gemm.geglu_linear(x, stack))
         if fused is not None:
             gate, up = F.linear(x, fused).chunk(2, dim=-1)
             return self.down_proj(geglu(gate, up))

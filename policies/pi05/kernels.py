@@ -31,12 +31,13 @@ as the unfused casts do): it differs from it only in the float32 summation of th
 
 Where they run: Triton on CUDA half-precision tensors outside autograd (the rollout path: the eager warm-up compiles
 them before any graph is captured); `denoise_update` on the CUDA float32 action state, whatever the model's dtype.
-`fused_path(enabled, x)` (`denoise_serves` for the step kernel) is the call sites' test: callers keep their unfused
-PyTorch code for every other case (CPU, float32/float64 layers, autograd, no Triton), which is bit-identical to what
-ran before these kernels existed. With ``TRITON_INTERPRET=1`` set before import, Triton's interpreter runs the same
-kernels on CPU tensors (slow; what the CPU tests use to check them against the references). The interpreter (Triton
-3.6) truncates float32 -> bfloat16 where the GPU rounds to nearest even, so on CPU the kernels agree with the
-references to one bfloat16 ulp, on the GPU to float32 summation order.
+`fused_path(enabled, x)` (`denoise_serves` for the step kernel) is the call sites' test, made once per stack call:
+the blocks (`gemma.py`'s `add_norm` and `project`, `siglip.add_layer_norm`) take its answer and run the PyTorch
+reference ops for every other case (CPU, float32/float64 layers, autograd, no Triton, kernels not requested), which
+are bit-identical to what ran before these kernels existed. With ``TRITON_INTERPRET=1`` set before import, Triton's
+interpreter runs the same kernels on CPU tensors (slow; what the CPU tests use to check them against the references).
+The interpreter (Triton 3.6) truncates float32 -> bfloat16 where the GPU rounds to nearest even, so on CPU the kernels
+agree with the references to one bfloat16 ulp, on the GPU to float32 summation order.
 
 Example:
     >>> import torch

@@ -8,6 +8,10 @@ Inference computes the prefix once (`run_prefix`, LM stream only) and keeps its 
 every denoise step runs only the expert stream over the H action tokens, attending to [valid prefix K/V |
 all action tokens] (`expert_step`). Masked cameras are never keys and do not advance positions, so a masked
 camera is exactly a removed camera.
+
+Each part is one stack of blocks. `use_kernels` asks for the fused kernels of `kernels.py`; each stack decides once
+per call whether they serve (`kernels.fused_path`: CUDA half tensors outside autograd) and its blocks (`gemma.py`,
+`siglip.py`) run them, or the PyTorch reference ops where they do not.
 """
 
 from __future__ import annotations
@@ -51,8 +55,8 @@ class PrefixCache:
 
     Attributes:
         keys, values: per layer (B, Nkv, T, hd) in the compute dtype.
-        key_mask: (B, T) bool, True for the K/V rows of valid prefix tokens. The fused path (`run_prefix` with
-            fused kernels) stores each row's valid tokens' K/V first, in order: its key_mask is then the first
+        key_mask: (B, T) bool, True for the K/V rows of valid prefix tokens. `run_prefix` with the fused
+            kernels stores each row's valid tokens' K/V first, in order: its key_mask is then the first
             `num_valid` rows, and FlashAttention reads the keys without a valid-first copy per layer.
         num_valid: (B,) int64, the number of valid prefix tokens (suffix positions start there).
         output: (B, T, W) LM final-norm output in token order, only when requested (prefix value source).
@@ -246,18 +250,17 @@ class Pi05Model(nn.Module):
                 torch._foreach_copy_(rows, weights)
 
     # ---------------------------------------------------------------------------------------- prefix
-    def embed_images(self, images: torch.Tensor, fused_kernels: bool = False) -> torch.Tensor:
+    def embed_images(self, images: torch.Tensor, use_kernels: bool = False) -> torch.Tensor:
         """(B, n, 3, S, S) uint8 or float in [-1, 1] -> (B, n*P, W): all envs x cameras in one vision pass.
 
-        `fused_kernels`: the vision tower's residual adds fused into its LayerNorms where they serve.
+        `use_kernels`: the vision tower's fused kernels where they serve (`SiglipVisionTower.forward`).
         """
         b, n = images.shape[:2]
         pixels = images.flatten(0, 1)
         if pixels.dtype == torch.uint8:
             pixels = pixels.float() * (2.0 / 255.0) - 1.0
-        qkv = self.fused_vision if fused_kernels and self._fused_usable(self.compute_dtype) else None
-        feats = self.vision(pixels, backend=self.plan.vision, dtype=self.compute_dtype, fused_kernels=fused_kernels,
-                            fused_qkv=qkv)  # fmt: skip
+        qkv = self.fused_vision if use_kernels and self._fused_usable(self.compute_dtype) else None
+        feats = self.vision(pixels, self.plan.vision, self.compute_dtype, use_kernels, qkv)
         feats = self.projector(feats.to(self.projector.weight.dtype))  # not rescaled (openpi)
         return feats.reshape(b, n * feats.shape[1], feats.shape[2])
 
@@ -267,13 +270,13 @@ class Pi05Model(nn.Module):
         image_mask: torch.Tensor,
         tokens: torch.Tensor,
         token_mask: torch.Tensor,
-        fused_kernels: bool = False,
+        use_kernels: bool = False,
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """Prefix embeddings (B, T, W) in the compute dtype and validity (B, T): [camera tokens | prompt].
 
-        `fused_kernels`: see `embed_images`.
+        `use_kernels`: see `embed_images`.
         """
-        img = self.embed_images(images, fused_kernels).to(self.compute_dtype)
+        img = self.embed_images(images, use_kernels).to(self.compute_dtype)
         patches = img.shape[1] // max(images.shape[1], 1)
         text = self.llm.embed(tokens).to(self.compute_dtype)
         valid = torch.cat([image_mask.bool().repeat_interleave(patches, dim=1), token_mask.bool()], dim=1)
@@ -285,105 +288,59 @@ class Pi05Model(nn.Module):
         valid: torch.Tensor,
         need_output: bool = False,
         kv_out: list[tuple[torch.Tensor, torch.Tensor]] | None = None,
-        fused_kernels: bool = False,
+        use_kernels: bool = False,
     ) -> PrefixCache:
         """Run the LM stream over the prefix; keep per-layer K/V.
 
         The last layer only computes its K/V unless `need_output` (prefix value source): nothing else of it
         reaches the actions. `kv_out` gives per layer (B, Nkv, T, hd) destinations (the scheduler's static cache
-        slots): the K/V are written there and the returned cache holds those views. `fused_kernels` runs the
-        residual adds + norms and RoPE + the K/V writes as the fused kernels of `kernels.py` where they serve.
-        """
-        if kernels.fused_path(fused_kernels, emb):
-            return self._run_prefix_fused(emb, valid, need_output, kv_out)
-        cfg = self.config.llm
-        positions = torch.cumsum(valid.long(), dim=1) - 1
-        cos, sin = rope_cos_sin(positions, cfg.head_dim, cfg.rope_theta, emb.dtype)
-        mask = additive_mask(valid, mask_dtype(self.plan.prefix, emb.dtype))  # built once, shared by every layer
-        scale = cfg.head_dim**-0.5
-        keys: list[torch.Tensor] = []
-        values: list[torch.Tensor] = []
-        x = emb
-        for i, layer in enumerate(self.llm.layers):
-            last = i == len(self.llm.layers) - 1
-            q, k, v = layer.self_attn.qkv(layer.input_layernorm(x), cos, sin, need_q=not last or need_output)
-            if kv_out is not None:
-                kv_out[i][0].copy_(k)
-                kv_out[i][1].copy_(v)
-            keys.append(k)
-            values.append(v)
-            if last and not need_output:
-                break
-            x = x + layer.self_attn.out(attend(q, k, v, mask, scale, self.plan.prefix))
-            x = x + layer.mlp(layer.post_attention_layernorm(x))
-        output = self.llm.norm(x) if need_output else None
-        if kv_out is not None:
-            keys, values = [k for k, _ in kv_out], [v for _, v in kv_out]
-        return PrefixCache(keys, values, valid, valid.long().sum(dim=1), output)
+        slots): the K/V are written there and the returned cache holds those views.
 
-    def _run_prefix_fused(
-        self,
-        emb: torch.Tensor,
-        valid: torch.Tensor,
-        need_output: bool,
-        kv_out: list[tuple[torch.Tensor, torch.Tensor]] | None,
-    ) -> PrefixCache:
-        """`run_prefix` with each residual add fused into the next norm and RoPE fused with the K/V writes.
-
-        Per layer: add+norm, the q/k/v GEMMs (one, from `fused_prefix`, where the fused buffers serve), one RoPE
-        kernel writing q (token-major) and K/V into their cache slots (each row's valid tokens first), attention,
-        o GEMM, add+norm, the MLP (gate, up and GeGLU as one GEMM, `geglu_gemm`, then down). Same math as the unfused
-        loop, rounded once per kernel.
+        Per layer: the pending residual added inside the norm, q/k/v with RoPE (K/V into their slots), attention,
+        the o GEMM, the residual added inside the next norm, the MLP. `use_kernels` (where `kernels.fused_path`
+        holds) runs the blocks' fused kernels: each add + norm as one, RoPE with the K/V writes as one, and from
+        `fused_prefix` (where built) the q/k/v GEMMs as one and gate, up and GeGLU as one (`geglu_gemm`); the K/V
+        rows are then stored valid-first (`PrefixCache.valid_first`). Otherwise the reference ops run, in token
+        order.
         """
         cfg = self.config.llm
-        b, t, _ = emb.shape
-        n, nkv, hd = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
+        use_kernels = kernels.fused_path(use_kernels, emb)
         positions = torch.cumsum(valid.long(), dim=1) - 1
-        cos, sin = (c[:, 0] for c in rope_cos_sin(positions, hd, cfg.rope_theta, emb.dtype))  # (B, T, hd)
-        # K/V rows valid-first: token t's K/V at row kv_rows[b, t]; the valid keys are then the first num_valid
-        kv_rows = valid_first_rows(valid)
-        num_valid = valid.sum(dim=1)
-        key_valid = torch.arange(t, device=emb.device)[None, :] < num_valid[:, None]
-        key_lengths = num_valid.to(torch.int32)
-        mask = additive_mask(key_valid, mask_dtype(self.plan.prefix, emb.dtype))
+        cos, sin = rope_cos_sin(positions, cfg.head_dim, cfg.rope_theta, emb.dtype)  # (B, 1, T, hd)
+        if use_kernels:  # K/V rows valid-first: token t's K/V at row kv_rows[b, t], the valid keys the first num_valid
+            cos, sin = cos[:, 0], sin[:, 0]  # (B, T, hd), as the RoPE kernel reads them
+            kv_rows = valid_first_rows(valid)
+            num_valid = valid.sum(dim=1)
+            key_valid = torch.arange(valid.shape[1], device=emb.device)[None, :] < num_valid[:, None]
+            key_lengths = num_valid.to(torch.int32)
+        else:
+            kv_rows, key_lengths, key_valid, num_valid = None, None, valid, valid.long().sum(dim=1)
+        mask = additive_mask(key_valid, mask_dtype(self.plan.prefix, emb.dtype))  # built once, shared by every layer
         scale = cfg.head_dim**-0.5
+        fused = self.fused_prefix if use_kernels and self._fused_usable(emb.dtype) else None
         keys: list[torch.Tensor] = []
         values: list[torch.Tensor] = []
         x, delta = emb, None  # delta: the MLP output not yet added to the residual stream x
-        fused = self.fused_prefix if self._fused_usable(emb.dtype) else None
         for i, layer in enumerate(self.llm.layers):
-            last = i == len(self.llm.layers) - 1
-            need_q = not last or need_output
-            attn = layer.self_attn
-            x, h = kernels.add_norm(x, delta, layer.input_layernorm.weight, cfg.eps, add_one=True)
-            if kv_out is not None:
-                k_dst, v_dst = kv_out[i]
-            else:
-                k_dst = torch.empty(b, nkv, t, hd, dtype=emb.dtype, device=emb.device)
-                v_dst = torch.empty_like(k_dst)
-            q = torch.empty(b, t, n, hd, dtype=emb.dtype, device=emb.device) if need_q else None
+            need_q = i < len(self.llm.layers) - 1 or need_output
             qkv_w, mlp_w = fused[i] if fused is not None else (None, None)
-            if qkv_w is not None:  # one GEMM: [q;k;v], or the [k;v] rows when q is not needed
-                y = F.linear(h, qkv_w if need_q else qkv_w[n * hd :]).view(b, t, -1, hd)
-                q_src, k_src, v_src = y[:, :, :n] if need_q else None, y[:, :, -2 * nkv : -nkv], y[:, :, -nkv:]
-            else:
-                q_src = attn.q_proj(h).view(b, t, n, hd) if need_q else None
-                k_src, v_src = attn.k_proj(h).view(b, t, nkv, hd), attn.v_proj(h).view(b, t, nkv, hd)
-            kernels.qkv_rope(q_src, k_src, v_src, cos, sin, q, k_dst.transpose(1, 2), v_dst.transpose(1, 2), kv_rows)
-            keys.append(k_dst)
-            values.append(v_dst)
-            if not need_q:
+            k_dst, v_dst = kv_out[i] if kv_out is not None else (None, None)
+            x, h = layer.input_layernorm.add_norm(x, delta, use_kernels)
+            q, k, v = layer.self_attn.project(h, cos, sin, use_kernels, qkv_w, need_q, k_dst, v_dst, kv_rows)
+            keys.append(k)
+            values.append(v)
+            if q is None:
                 break
-            o = attn.out(attend(q.transpose(1, 2), k_dst, v_dst, mask, scale, self.plan.prefix, key_lengths))
-            x, h = kernels.add_norm(x, o, layer.post_attention_layernorm.weight, cfg.eps, add_one=True)
-            if mlp_w is not None:  # gate, up and GeGLU as one GEMM where it serves (`geglu_gemm`)
-                delta = layer.mlp.down_proj(geglu_gemm.geglu_linear(h, mlp_w))
-            else:
-                delta = layer.mlp(h)
+            o = layer.self_attn.out(attend(q, k, v, mask, scale, self.plan.prefix, key_lengths))
+            x, h = layer.post_attention_layernorm.add_norm(x, o, use_kernels)
+            delta = layer.mlp(h, stack=mlp_w)
         output = None
         if need_output:
-            _, output = kernels.add_norm(x, delta, self.llm.norm.weight, cfg.eps, add_one=True, store_residual=False)
-        return PrefixCache(keys, values, key_valid, num_valid, output, output_mask=valid, valid_first=True)
+            output = self.llm.norm.add_norm(x, delta, use_kernels, store_residual=False)[1]
+        if kv_out is not None:
+            keys, values = [k for k, _ in kv_out], [v for _, v in kv_out]
+        output_mask = valid if use_kernels else None
+        return PrefixCache(keys, values, key_valid, num_valid, output, output_mask=output_mask, valid_first=use_kernels)
 
     # ---------------------------------------------------------------------------------------- expert
     def time_condition(
@@ -439,98 +396,65 @@ class Pi05Model(nn.Module):
         mods: list[Modulation],
         use_fused: bool = False,
         fused: list[tuple[torch.Tensor, torch.Tensor]] | None = None,
-        fused_kernels: bool = False,
+        use_kernels: bool = False,
     ) -> torch.Tensor:
         """One expert pass at the noisy actions x_t (B, H, D) -> final-norm output (B, H, We) float32.
 
         `use_fused` reads the fused [q;k;v] / [gate;up] copies (the scheduler's rollout path, which refreshes them
         with its tables after every weight commit); `fused` passes such weights explicitly (`fused_weights()`,
-        the trainer); every other caller reads the parameters themselves. `fused_kernels` runs the layers as the
-        fused kernels of `kernels.py` where they serve (fused weights, a static cache tail, CUDA half, no grad).
+        the trainer); every other caller reads the parameters themselves.
+
+        Per layer-step: the pending gated residual added inside the adaRMS norm, q/k/v with RoPE (the action K/V
+        into the cache tail, or concatenated to the prefix K/V without one), attention, the o GEMM, the gated
+        attention residual added inside the next norm, the MLP; the final norm adds the last residual and returns
+        float32 (rounded to the compute dtype first). `use_kernels` runs the blocks' fused kernels where they serve
+        (fused weights, a static cache tail, `kernels.fused_path`): each add + norm as one, RoPE with the K/V
+        writes as one (on a valid-first cache at rows `suffix_rows`, right after each row's valid prefix keys).
         """
         cfg = self.config.expert
         b, h, _ = x_t.shape
         x = self.action_in_proj(x_t.to(upcast_dtype(self.action_in_proj.weight.dtype))).to(self.compute_dtype)
         if fused is None and use_fused and self._fused_usable(x.dtype):
             fused = self.fused_expert
-        fused_layers = fused is not None and cache.suffix_offset is not None and kernels.fused_path(fused_kernels, x)
+        offset = cache.suffix_offset
+        use_kernels = fused is not None and offset is not None and kernels.fused_path(use_kernels, x)
         if cache.suffix_rope is None:  # positions and mask are the same at every denoise step: build once
             positions = cache.num_valid[:, None] + torch.arange(h, device=x_t.device)[None, :]
             cache.suffix_rope = rope_cos_sin(positions, cfg.head_dim, cfg.rope_theta, x.dtype)
-            if fused_layers and cache.valid_first:  # action K/V at rows num_valid + j (`PrefixCache.valid_first`)
+            if use_kernels and cache.valid_first:  # action K/V at rows num_valid + j (`PrefixCache.valid_first`)
                 cache.suffix_rows, lengths = positions, cache.num_valid + h
                 cache.suffix_lengths = lengths.to(torch.int32)
-                valid = torch.arange(cache.suffix_offset + h, device=x_t.device)[None, :] < lengths[:, None]
+                valid = torch.arange(offset + h, device=x_t.device)[None, :] < lengths[:, None]
             else:
                 valid = torch.cat([cache.key_mask, torch.ones(b, h, dtype=torch.bool, device=x_t.device)], dim=1)
             # "gemm" and "triton" add the mask to float32 scores; SDPA and flash take it in the compute dtype
             gemm = gemm_serves(b, cfg.num_heads, cfg.num_kv_heads, h, valid.shape[1], torch.is_grad_enabled(),
-                               valid.device)
+                               valid.device)  # fmt: skip
             cache.suffix_mask = additive_mask(valid, mask_dtype(self.plan.expert, x.dtype, gemm))
         cos, sin = cache.suffix_rope
-        key_mask = cache.suffix_mask
-        scale = cfg.head_dim**-0.5
-        if fused_layers:
-            return self._expert_layers_fused(cache, x, mods, fused)
-        for i, layer in enumerate(self.expert.layers):
-            fused_qkv, fused_mlp = fused[i] if fused is not None else (None, None)
-            hidden, gate = layer.input_layernorm(x, mods[2 * i])
-            q, k, v = layer.self_attn.qkv(hidden, cos, sin, fused=fused_qkv)
-            if cache.suffix_offset is None:
-                k = torch.cat([cache.keys[i], k], dim=2)
-                v = torch.cat([cache.values[i], v], dim=2)
-            else:  # write into the static cache tail and attend over the whole view
-                cache.keys[i][:, :, cache.suffix_offset :].copy_(k)
-                cache.values[i][:, :, cache.suffix_offset :].copy_(v)
-                k, v = cache.keys[i], cache.values[i]
-            x = torch.addcmul(x, layer.self_attn.out(attend(q, k, v, key_mask, scale, self.plan.expert)), gate)
-            hidden, gate = layer.post_attention_layernorm(x, mods[2 * i + 1])
-            x = torch.addcmul(x, layer.mlp(hidden, fused_mlp), gate)
-        out, _ = self.expert.norm(x, mods[-1])
-        return upcast(out)
-
-    def _expert_layers_fused(
-        self,
-        cache: PrefixCache,
-        x: torch.Tensor,
-        mods: list[Modulation],
-        fused: list[tuple[torch.Tensor, torch.Tensor]],
-    ) -> torch.Tensor:
-        """The expert layers of `expert_step` as fused kernels; (B, H, We) compute-dtype input -> float32 output.
-
-        Per layer-step: add+adaRMS (the previous layer's gated MLP residual fused in), the [q;k;v] GEMM, one RoPE
-        kernel writing q token-major and K/V into the cache (its tail, or rows `suffix_rows` right after each row's
-        valid prefix keys), attention, the o GEMM, add+adaRMS (the gated attention residual fused in), the
-        [gate;up] GEMM, GeGLU, the down GEMM. The final norm adds the last residual and writes float32 (rounded to
-        the compute dtype first, as `upcast` of the unfused output).
-        """
-        cfg = self.config.expert
-        b, h, _ = x.shape
-        n, nkv, hd = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
-        cos, sin = (c[:, 0] for c in cache.suffix_rope)  # (B, H, hd)
-        rows = cache.suffix_rows
-        off = 0 if rows is not None else cache.suffix_offset
+        rows, lengths = None, None
+        if use_kernels:
+            cos, sin = cos[:, 0], sin[:, 0]  # (B, H, hd), as the RoPE kernel reads them
+            rows, lengths = cache.suffix_rows, cache.suffix_lengths
+            offset = 0 if rows is not None else offset  # with rows, the kernel writes into the whole cache
         scale = cfg.head_dim**-0.5
         delta, gate = None, None  # the branch output not yet added to x, and its gate
         for i, layer in enumerate(self.expert.layers):
-            qkv_w, mlp_w = fused[i]
-            scale1, shift, _ = mods[2 * i]
-            x, hidden = kernels.add_norm(x, delta, scale1, cfg.eps, gate=gate, shift=shift)
-            y = F.linear(hidden, qkv_w).view(b, h, n + 2 * nkv, hd)  # (B, H, heads, hd)
-            q = torch.empty(b, h, n, hd, dtype=x.dtype, device=x.device)
+            qkv_w, mlp_w = fused[i] if fused is not None else (None, None)
+            x, hidden, attn_gate = layer.input_layernorm.add_norm(x, delta, gate, mods[2 * i], use_kernels)
             keys, values = cache.keys[i], cache.values[i]
-            kernels.qkv_rope(y[:, :, :n], y[:, :, n : n + nkv], y[:, :, n + nkv :], cos, sin, q,
-                             keys[:, :, off:].transpose(1, 2), values[:, :, off:].transpose(1, 2), rows)  # fmt: skip
-            o = attend(q.transpose(1, 2), keys, values, cache.suffix_mask, scale, self.plan.expert,
-                       cache.suffix_lengths)  # fmt: skip
-            o = layer.self_attn.out(o)
-            scale1, shift, next_gate = mods[2 * i + 1]
-            x, hidden = kernels.add_norm(x, o, scale1, cfg.eps, gate=mods[2 * i][2], shift=shift)
-            delta, gate = layer.mlp(hidden, mlp_w), next_gate
-        scale1, shift, _ = mods[-1]
-        _, out = kernels.add_norm(x, delta, scale1, cfg.eps, gate=gate, shift=shift, out_dtype=upcast_dtype(x.dtype),
-                                  store_residual=False)  # fmt: skip
-        return out
+            if offset is None:  # no static tail: the action K/V appended to the prefix K/V
+                q, k, v = layer.self_attn.project(hidden, cos, sin, use_kernels, qkv_w)
+                keys, values = torch.cat([keys, k], dim=2), torch.cat([values, v], dim=2)
+            else:  # written into the static cache tail (or rows), attention over the whole view
+                q, _, _ = layer.self_attn.project(hidden, cos, sin, use_kernels, qkv_w, True, keys[:, :, offset:],
+                                                  values[:, :, offset:], rows)  # fmt: skip
+            o = attend(q, keys, values, cache.suffix_mask, scale, self.plan.expert, lengths)
+            x, hidden, gate = layer.post_attention_layernorm.add_norm(x, layer.self_attn.out(o), attn_gate,
+                                                                      mods[2 * i + 1], use_kernels)  # fmt: skip
+            delta = layer.mlp(hidden, mlp_w)
+        out_dtype = upcast_dtype(x.dtype)
+        return self.expert.norm.add_norm(x, delta, gate, mods[-1], use_kernels, out_dtype, store_residual=False)[1]
 
     def velocity(self, suffix_out: torch.Tensor) -> torch.Tensor:
         """Expert output (B, H, We) -> velocity v (B, H, D) float32."""

@@ -105,9 +105,9 @@ def run_prefix_stage(
     """
     positions = torch.arange(tokens.shape[1], device=tokens.device)
     token_mask = positions[None, :] < lengths[:, None]
-    emb, valid = model.embed_prefix(images, image_mask, tokens, token_mask, fused_kernels=fused_kernels)
+    emb, valid = model.embed_prefix(images, image_mask, tokens, token_mask, use_kernels=fused_kernels)
     need_output = model.config.value_source == "prefix"
-    return model.run_prefix(emb, valid, need_output=need_output, kv_out=kv_out, fused_kernels=fused_kernels)
+    return model.run_prefix(emb, valid, need_output=need_output, kv_out=kv_out, use_kernels=fused_kernels)
 
 
 def prefix_values(model: Pi05Model, cache: PrefixCache) -> tuple[torch.Tensor, torch.Tensor] | None:
@@ -137,7 +137,7 @@ def run_denoise_stage(
     """
 
     def velocity_fn(x: torch.Tensor, i: int):
-        out = model.expert_step(cache, x, tables.step_mods(i), use_fused=True, fused_kernels=fused_kernels)
+        out = model.expert_step(cache, x, tables.step_mods(i), use_fused=True, use_kernels=fused_kernels)
         return model.velocity(out), out
 
     value_fn = None

@@ -2,8 +2,9 @@
 
 Parameter names follow transformers' `SiglipVisionModel.vision_model` so checkpoints map by prefix only.
 The stem (patch conv + position embedding) and every LayerNorm run in float32; the blocks in the model dtype.
-With `fused_kernels` (and where `kernels.fused_path` holds: CUDA half precision, no autograd) each residual add
-runs inside the following LayerNorm's kernel (`kernels.add_layer_norm`).
+One block stack: each block adds its pending residual inside its LayerNorm (`add_layer_norm`), with
+`use_kernels` (where `kernels.fused_path` holds: CUDA half precision, no autograd) as the fused kernel
+(`kernels.add_layer_norm`), else as the plain add and LayerNorm of the reference (the unfused ops, bit-identical).
 """
 
 from __future__ import annotations
@@ -27,10 +28,17 @@ def layer_norm_fp32(x: torch.Tensor, norm: nn.LayerNorm) -> torch.Tensor:
 
 
 def add_layer_norm(
-    x: torch.Tensor, delta: torch.Tensor | None, norm: nn.LayerNorm, store_residual: bool = True
+    x: torch.Tensor, delta: torch.Tensor | None, norm: nn.LayerNorm, use_kernels: bool, store_residual: bool = True
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """(x + delta, layer_norm_fp32(x + delta)) as one kernel (`kernels.add_layer_norm`); delta None: x itself."""
-    return kernels.add_layer_norm(x, delta, norm.weight, norm.bias, norm.eps, store_residual)
+    """(r, layer_norm_fp32(r)) for r = x + delta (delta None: x itself).
+
+    `use_kernels`: one kernel (`kernels.add_layer_norm`; `store_residual=False` skips writing r), else the add and
+    `layer_norm_fp32`.
+    """
+    if use_kernels:
+        return kernels.add_layer_norm(x, delta, norm.weight, norm.bias, norm.eps, store_residual)
+    r = x if delta is None else x + delta
+    return r, layer_norm_fp32(r, norm)
 
 
 class SiglipEmbeddings(nn.Module):
@@ -112,26 +120,23 @@ class SiglipEncoderLayer(nn.Module):
         self.layer_norm2 = nn.LayerNorm(cfg.width, eps=cfg.eps)
         self.mlp = SiglipMLP(cfg)
 
-    def forward(self, x: torch.Tensor, backend: str) -> torch.Tensor:
-        """(B, P, width) -> (B, P, width)."""
-        x = x + self.self_attn(layer_norm_fp32(x, self.layer_norm1), backend)
-        return x + self.mlp(layer_norm_fp32(x, self.layer_norm2))
-
-    def forward_fused(
+    def forward(
         self,
         x: torch.Tensor,
         delta: torch.Tensor | None,
         backend: str,
+        use_kernels: bool = False,
         qkv: tuple[torch.Tensor, torch.Tensor] | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """The block with the pending residual `delta` (the previous block's MLP output) added inside LN1.
 
         (B, P, width) x and delta (None for the first block) -> (x + delta + attn, this block's MLP output, not
-        yet added: the next block's LN1 or the post-layernorm adds it). `qkv`: the fused [q;k;v] weight and bias.
+        yet added: the next block's LN1 or the post-layernorm adds it). `use_kernels`: the adds and norms as one
+        kernel each, and the GELU in place (see `add_layer_norm`); `qkv`: the fused [q;k;v] weight and bias.
         """
-        x, h = add_layer_norm(x, delta, self.layer_norm1)
-        x, h = add_layer_norm(x, self.self_attn(h, backend, qkv), self.layer_norm2)
-        return x, self.mlp(h, fused=True)
+        x, h = add_layer_norm(x, delta, self.layer_norm1, use_kernels)
+        x, h = add_layer_norm(x, self.self_attn(h, backend, qkv), self.layer_norm2, use_kernels)
+        return x, self.mlp(h, fused=use_kernels)
 
 
 class SiglipEncoder(nn.Module):
@@ -164,25 +169,23 @@ class SiglipVisionTower(nn.Module):
         pixels: torch.Tensor,
         backend: str = "sdpa",
         dtype: torch.dtype | None = None,
-        fused_kernels: bool = False,
+        use_kernels: bool = False,
         fused_qkv: list[tuple[torch.Tensor, torch.Tensor]] | None = None,
     ) -> torch.Tensor:
         """(B, 3, S, S) float pixels in [-1, 1] -> (B, P, width) in `dtype` (default: the block weights' dtype).
 
-        `fused_kernels`: each residual add runs inside the next LayerNorm's kernel where `kernels.fused_path`
-        holds (the pending MLP output of block i is added in block i + 1's LN1, the last in the post-layernorm);
-        there `fused_qkv` (per block the [q;k;v] weight and bias, `SiglipAttention.fused_weight`) runs each block's
-        q, k and v as one GEMM.
+        The pending MLP output of block i is added in block i + 1's LN1, the last in the post-layernorm.
+        `use_kernels`: each add and LayerNorm as one kernel where `kernels.fused_path` holds (decided once per
+        call); there `fused_qkv` (per block the [q;k;v] weight and bias, `SiglipAttention.fused_weight`) runs each
+        block's q, k and v as one GEMM.
         """
         dtype = dtype or self.encoder.layers[0].mlp.fc1.weight.dtype
         x = self.embeddings(pixels)  # float32, laid out (B, width, P) as the patch conv wrote it
         # the kernels read rows of unit stride: the cast writes them so (values unchanged, the same one kernel)
-        x = x.to(dtype, memory_format=torch.contiguous_format) if fused_kernels else x.to(dtype)
-        if kernels.fused_path(fused_kernels, x):
-            delta = None  # the MLP output not yet added to the residual stream x
-            for i, layer in enumerate(self.encoder.layers):
-                x, delta = layer.forward_fused(x, delta, backend, fused_qkv[i] if fused_qkv is not None else None)
-            return add_layer_norm(x, delta, self.post_layernorm, store_residual=False)[1]
-        for layer in self.encoder.layers:
-            x = layer(x, backend)
-        return layer_norm_fp32(x, self.post_layernorm)
+        x = x.to(dtype, memory_format=torch.contiguous_format) if use_kernels else x.to(dtype)
+        use_kernels = kernels.fused_path(use_kernels, x)
+        qkv = fused_qkv if use_kernels and fused_qkv is not None else [None] * len(self.encoder.layers)
+        delta = None  # the MLP output not yet added to the residual stream x
+        for layer, weights in zip(self.encoder.layers, qkv):
+            x, delta = layer(x, delta, backend, use_kernels, weights)
+        return add_layer_norm(x, delta, self.post_layernorm, use_kernels, store_residual=False)[1]

@@ -130,12 +130,12 @@ def packed_and_tail_expert_steps(device: str, expert_backend: str, seed: int = 5
     h, cfg = model.config.action_horizon, model.config.expert
     with torch.no_grad():
         emb, valid = model.embed_prefix(x.images.to(device), x.image_mask.to(device), x.tokens.long().to(device),
-                                        token_mask.to(device), fused_kernels=True)  # fmt: skip
+                                        token_mask.to(device), use_kernels=True)  # fmt: skip
         b, t = valid.shape
         shape = (b, cfg.num_kv_heads, t + h, cfg.head_dim)
         bufs = [torch.zeros(shape, dtype=torch.bfloat16, device=device) for _ in range(2 * cfg.depth)]
         slots = [(k[:, :, :t], v[:, :, :t]) for k, v in zip(bufs[::2], bufs[1::2])]
-        prefix = model.run_prefix(emb, valid, kv_out=slots, fused_kernels=True)
+        prefix = model.run_prefix(emb, valid, kv_out=slots, use_kernels=True)
         gen = torch.Generator().manual_seed(1)
         noise = torch.randn(b, h, model.config.action_dim, generator=gen).to(device)
         mods = model.modulations(model.time_condition(torch.full((b,), 0.6, device=device)))
@@ -144,7 +144,7 @@ def packed_and_tail_expert_steps(device: str, expert_backend: str, seed: int = 5
             kv = [x.clone() for x in bufs]
             cache = PrefixCache(kv[::2], kv[1::2], prefix.key_mask, prefix.num_valid, suffix_offset=t,
                                 valid_first=packed)  # fmt: skip
-            outs.append(model.expert_step(cache, noise, mods, use_fused=True, fused_kernels=True))
+            outs.append(model.expert_step(cache, noise, mods, use_fused=True, use_kernels=True))
             caches.append(cache)
     return {"packed": caches[0], "tail": caches[1], "outs": outs, "prefix": prefix, "h": h, "valid": valid}
 

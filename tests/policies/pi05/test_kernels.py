@@ -171,7 +171,7 @@ def test_fused_vision_tower_matches_unfused(dtype, monkeypatch):
     monkeypatch.setattr(kernels, "add_layer_norm", spy)
     with torch.no_grad():
         plain = tower(pixels, backend="eager")
-        fused = tower(pixels, backend="eager", fused_kernels=True)
+        fused = tower(pixels, backend="eager", use_kernels=True)
     depth = len(tower.encoder.layers)
     assert calls == [True] + [False] * (2 * depth)  # only the first LN1 has no pending residual
     assert fused.dtype == plain.dtype == dtype and fused.shape == plain.shape
@@ -181,7 +181,7 @@ def test_fused_vision_tower_matches_unfused(dtype, monkeypatch):
     if dtype == torch.float16:
         assert (fused != plain).float().mean() < 0.05
     with torch.enable_grad():  # autograd keeps the unfused path, bitwise
-        assert torch.equal(tower(pixels, backend="eager", fused_kernels=True), plain)
+        assert torch.equal(tower(pixels, backend="eager", use_kernels=True), plain)
 
 
 @interpreted

@@ -117,7 +117,7 @@ def test_fused_vision_tower_agrees_with_unfused():
     pixels = torch.rand(3, 3, 224, 224, device="cuda", generator=torch.Generator(device="cuda").manual_seed(0))
     with torch.no_grad():
         plain = tower(pixels * 2 - 1)
-        fused = tower(pixels * 2 - 1, fused_kernels=True)
+        fused = tower(pixels * 2 - 1, use_kernels=True)
     err = ((fused.float() - plain.float()).abs().max() / plain.float().abs().max()).item()
     assert err < 2**-6, err  # one-ulp differences of each norm compound over the blocks: most elements differ
 
@@ -132,10 +132,10 @@ def _vision_kernels(depth: int, fused: bool) -> int:
     pixels = torch.zeros(1, 3, 224, 224, device="cuda")
     with torch.no_grad():
         for _ in range(2):
-            tower(pixels, fused_kernels=fused)
+            tower(pixels, use_kernels=fused)
         torch.cuda.synchronize()
         with profile(activities=[ProfilerActivity.CUDA]) as prof:
-            tower(pixels, fused_kernels=fused)
+            tower(pixels, use_kernels=fused)
             torch.cuda.synchronize()
     return sum(Counter(e.name for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA).values())
 

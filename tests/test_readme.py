@@ -43,7 +43,6 @@ SKIPPED = {
     'pip install torch==2.13.0 && pip install -e ".[test,sim,warp]" && bash .ci/install_sims.sh && '
     ". ~/.cache/phyai-gym/sim_env.sh && python3 -m pytest -q": f"{NETWORK}; then {SUITE}",
     "pip install torch==2.13.0": NETWORK,
-    "pip install triton": NETWORK,
     "pip install torch==2.13.0 --index-url https://download.pytorch.org/whl/cpu": NETWORK,
     "pip install ./torch-2.13.0+cpu-*.whl": f"{NETWORK} (a downloaded wheel)",
     'pip install -e ".[sim]"': NETWORK,

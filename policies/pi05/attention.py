@@ -29,7 +29,7 @@ with a head width it compiles (8..256, a multiple of 8); any other call, and eve
 missing or its probe kernel failed, hands over to SDPA.
 
 Routing is written once: `_refusal` holds each backend's rule and `HANDOVER` where it sends the calls it refuses;
-`route` walks that chain for a call's shape (`served_by` reports it, `attend` follows it and then checks what only
+`_route` walks that chain for a call's shape (`served_by` reports it, `attend` follows it and then checks what only
 the tensors tell: the Triton kernel's layout rules, the flash probe), and `AttentionConfig.resolve` picks each
 site's "auto" backend from `AUTO` with the device-wide parts of the same rules.
 
@@ -51,6 +51,7 @@ import functools
 import importlib.metadata
 import importlib.util
 from dataclasses import dataclass, field
+from typing import NamedTuple
 
 import torch
 import torch.nn.functional as F
@@ -381,58 +382,54 @@ KERNEL_OF = {"flash": "flash", "flash_large": "flash", "triton_flash": "flash", 
 """The kernel a backend runs for the calls it serves itself (the rest: the backend's own name)."""
 
 
-def _refusal(
-    backend: str,
-    device: torch.device,
-    dtype: torch.dtype,
-    batch: int,
-    heads: int,
-    kv_heads: int,
-    queries: int,
-    keys: int,
-    head_dim: int,
-    grad: bool,
-) -> str | None:
+class Geometry(NamedTuple):
+    """The shape of one attention call, as the routing rules read it."""
+
+    batch: int
+    heads: int
+    kv_heads: int
+    queries: int
+    keys: int
+    head_dim: int
+    grad: bool = False
+
+
+def _refusal(backend: str, device: torch.device, dtype: torch.dtype, call: Geometry) -> str | None:
     """Why `backend` does not serve a call of this geometry itself, as "<backend>: <why>", or None when it does.
 
-    The one place the rules live: `route` (and through it `served_by` and `attend`) and `AttentionConfig.resolve`
+    The one place the rules live: `_route` (and through it `served_by` and `attend`) and `AttentionConfig.resolve`
     (through `flash_dtype_status` / `triton_device_status`) read them.
     """
     if backend in ("eager", "sdpa"):
         return None
     if backend == "gemm":
-        served = gemm_serves(batch, heads, kv_heads, queries, keys, grad, device)
+        served = gemm_serves(call.batch, call.heads, call.kv_heads, call.queries, call.keys, call.grad, device)
         return None if served else "gemm: above gemm_max_scores or several K/V heads"
     if backend == "triton":
-        reason = triton_shape_status(device, dtype, kv_heads, head_dim, grad)
+        reason = triton_shape_status(device, dtype, call.kv_heads, call.head_dim, call.grad)
         return None if reason is None else f"triton: {reason}"
     if backend not in ("flash", "flash_large", "triton_flash"):
         raise ValueError(f"attention backend: expected one of {BACKENDS}, got {backend!r}.")
-    if backend != "flash" and batch * heads * queries * keys < tuning.thresholds(device).flash_min_scores:
+    scores = call.batch * call.heads * call.queries * call.keys
+    if backend != "flash" and scores < tuning.thresholds(device).flash_min_scores:
         return f"{backend}: below flash_min_scores"
-    reason = flash_shape_status(device, dtype, heads, kv_heads, head_dim, grad)
+    reason = flash_shape_status(device, dtype, call.heads, call.kv_heads, call.head_dim, call.grad)
     return None if reason is None else f"flash: {reason}"
 
 
-def _route(
-    backend: str,
-    device: torch.device,
-    dtype: torch.dtype,
-    batch: int,
-    heads: int,
-    kv_heads: int,
-    queries: int,
-    keys: int,
-    head_dim: int,
-    grad: bool,
-) -> tuple[str, str | None, str]:
+def _route(backend: str, device: torch.device, dtype: torch.dtype, call: Geometry) -> tuple[str, str | None, str]:
     """(kernel, note, the backend that served it): `backend`'s hand-over chain walked until a backend serves.
 
-    The note says why a call ended on SDPA after a hand-over (the last refusal), or that "triton_flash" ran flash.
+    The kernel is "eager", "sdpa", "flash", "gemm" or "triton". Each backend serves the calls its rule admits
+    (`_refusal`) and hands the others on (`HANDOVER`): "triton_flash" to "triton" below ``flash_min_scores`` or
+    where flash does not run, "triton" to "gemm", "gemm", "flash" and "flash_large" to SDPA. The note says why a
+    call ended on SDPA after a hand-over (the last refusal, e.g. ``flash: autograd call ...``), or that
+    "triton_flash" ran flash. `attend` follows the same route, then checks what only a call's tensors tell
+    (layout, the flash probe).
     """
     note = None
     while True:
-        refusal = _refusal(backend, device, dtype, batch, heads, kv_heads, queries, keys, head_dim, grad)
+        refusal = _refusal(backend, device, dtype, call)
         if refusal is None:
             kernel = KERNEL_OF.get(backend, backend)
             if backend == "triton_flash":
@@ -441,29 +438,6 @@ def _route(
                 note = None
             return kernel, note, backend
         note, backend = refusal, HANDOVER[backend]
-
-
-def route(
-    backend: str,
-    device: torch.device,
-    dtype: torch.dtype,
-    batch: int,
-    heads: int,
-    kv_heads: int,
-    queries: int,
-    keys: int,
-    head_dim: int,
-    grad: bool = False,
-) -> tuple[str, str | None]:
-    """The kernel ("eager", "sdpa", "flash", "gemm" or "triton") a call of this shape runs under `backend`, and a note.
-
-    Each backend serves the calls its rule admits (`_refusal`) and hands the others on (`HANDOVER`): "triton_flash"
-    to "triton" below ``flash_min_scores`` or where flash does not run, "triton" to "gemm", "gemm", "flash" and
-    "flash_large" to SDPA. The note says why a call ended on SDPA (e.g. ``flash: autograd call ...``), or None.
-    `attend` follows the same route, then checks what only a call's tensors tell (layout, the flash probe).
-    """
-    kernel, note, _ = _route(backend, device, dtype, batch, heads, kv_heads, queries, keys, head_dim, grad)
-    return kernel, note
 
 
 def served_by(
@@ -478,12 +452,13 @@ def served_by(
     head_dim: int,
     grad: bool = False,
 ) -> str:
-    """The kernel a call of this shape runs: "eager", "sdpa", "gemm", "triton" or the flash kernel name (`route`).
+    """The kernel a call of this shape runs: "eager", "sdpa", "gemm", "triton" or the flash kernel name (`_route`).
 
     A hand-over says why, e.g. ``sdpa (flash: autograd call ...)``. The flash probe is not run here: its result is
     reported once it ran (`flash_probe_result`).
     """
-    kernel, note = route(backend, device, dtype, batch, heads, kv_heads, queries, keys, head_dim, grad)
+    call = Geometry(batch, heads, kv_heads, queries, keys, head_dim, grad)
+    kernel, note, _ = _route(backend, device, dtype, call)
     name = flash_kernel_name() if kernel == "flash" else kernel
     return name if note is None else f"{name} ({note})"
 
@@ -507,15 +482,16 @@ def attend(
 ) -> torch.Tensor:
     """Multi-query attention; `key_mask` is (B, S) bool validity or a prebuilt `additive_mask`.
 
-    The kernel is `route`'s for the call's shape; where the call's tensors refuse it (the Triton kernel's layout
+    The kernel is `_route`'s for the call's shape; where the call's tensors refuse it (the Triton kernel's layout
     rules, a failed flash probe), the call goes on along the backend's hand-over chain. `key_lengths` (B,) int32
     says that each row's valid keys are its first ``key_lengths[b]`` (as `key_mask` says): FlashAttention then
     reads K and V in place instead of a valid-first copy. Returns (B, Nh, T, hd) in v's dtype.
     """
     b, n, t, hd = q.shape
     grad = torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad)
+    call = Geometry(b, n, k.shape[1], t, k.shape[2], hd, grad)
     while True:
-        kernel, _, via = _route(backend, q.device, q.dtype, b, n, k.shape[1], t, k.shape[2], hd, grad)
+        kernel, _, via = _route(backend, q.device, q.dtype, call)
         if kernel == "sdpa":
             return _sdpa(q, k, v, key_mask, scale)
         if kernel == "gemm":

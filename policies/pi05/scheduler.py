@@ -224,7 +224,7 @@ class Pi05Scheduler:
         self._prefix_graphs: dict[tuple, torch.cuda.CUDAGraph] = {}
         self._denoise_graphs: dict[tuple, torch.cuda.CUDAGraph] = {}
         self._pool = None
-        self._met: set[tuple] = set()  # graph keys met without CUDA graphs (the same bookkeeping, nothing captured)
+        self._met: set[tuple] = set()  # graph keys met so far (captured on CUDA; only recorded without graphs)
         self._switch_cache: dict[RolloutConfig, dict[str, torch.Tensor]] = {}
         self._camera_indices: dict[tuple[int, ...], torch.Tensor] = {}
         has_head = model.noise_head is not None
@@ -327,8 +327,7 @@ class Pi05Scheduler:
         the side stream is ordered after a weight commit queued on the compute stream), then captures each.
         """
         keys: list[tuple] = [(b, length, cams)] + ([] if k is None else [(b, length, cams, k, learned)])
-        known = (self._prefix_graphs.keys() | self._denoise_graphs.keys()) if self.use_graphs else self._met
-        new = [key for key in keys if key not in known]
+        new = [key for key in keys if key not in self._met]
         if not new:
             return
         if not self.use_graphs:
@@ -355,6 +354,7 @@ class Pi05Scheduler:
                     with torch.cuda.graph(graph, pool=self._pool, capture_error_mode="thread_local"):
                         stages[len(key)](*key)
                     registry[key] = graph
+                    self._met.add(key)
                     self.stats.captures += 1
                     self.stats.graph_keys.append(key)
             except RuntimeError as err:

@@ -139,6 +139,60 @@ def run_targets(out: Path | None = None) -> None:
     bench_case("phyai", [1, 32], out, iters=10)
 
 
+def run_public(out: Path | None = None, cases=("a", "phyai"), batches=(1, 64), iters: int = 20) -> list[dict]:
+    """`act()` through the public API (`make_policy`, uint8 256 x 256 numpy images, a task string, actions back on
+    the host) against the harness's call on the same policy in the same run: `act_inputs` on the already processed
+    device inputs of the same observations, actions back on the host. The two are timed alternately; the difference
+    is the host path (resize, normalise, tokenise, copies). One ``kind: public`` row per case and batch."""
+    import numpy as np
+
+    from phyai_gym.make import make_policy
+
+    slots = {"image": "base_0_rgb", "wrist": "left_wrist_0_rgb", "right": "right_wrist_0_rgb"}
+    rows = []
+    for name in cases:
+        case = CASES[name]
+        cams = dict(list(slots.items())[: len(case["cams"])])
+        config = Pi05Config.pi05_base(action_horizon=case["horizon"], num_steps=case["num_steps"])
+        rollout = RolloutConfig(num_steps=case["num_steps"], action_chunk=case["chunk"])
+        policy = make_policy(
+            config=config, device="cuda", camera_map=cams, max_batch_size=max(batches), rollout=rollout
+        )
+        rng = np.random.default_rng(0)
+        words, task, length = "pick up the red cube and place it in the basket".split(), "pick", 0
+        while length < case["prompt"]:  # the longest task whose prompt (state included) fits the case's length
+            longer = f"{task} {words[len(task.split()) % len(words)]}"
+            probe = {"images": {c: np.zeros((1, 8, 8, 3), np.uint8) for c in cams},
+                     "state": np.zeros((1, 8), np.float32), "task": [longer]}  # fmt: skip
+            grown = int(policy.processor(probe).lengths[0])
+            if grown > case["prompt"] or grown == length:  # too long, or truncated at max_token_len
+                break
+            task, length = longer, grown
+        for n in batches:
+            obs = {"images": {c: rng.integers(0, 256, (n, 256, 256, 3), dtype=np.uint8) for c in cams},
+                   "state": rng.standard_normal((n, 8)).astype(np.float32), "task": [task] * n}  # fmt: skip
+            inputs = policy.processor(obs)
+            public, harness = [], []
+            for i in range(iters + 3):
+                for fn, arg, times in ((policy.act, obs, public), (policy.act_inputs, inputs, harness)):
+                    torch.cuda.synchronize()
+                    t0 = time.perf_counter()
+                    fn(arg).actions.cpu()
+                    if i >= 3:
+                        times.append((time.perf_counter() - t0) * 1e3)
+            pub, har = percentiles(public)[0], percentiles(harness)[0]
+            rows += write_rows(BENCH, [{
+                "kind": "public", "case": name, "batch": n, "prompt_tokens": int(inputs.tokens.shape[1]),
+                "image_size_in": 256, "public_ms_p50": pub, "harness_ms_p50": har, "host_ms": pub - har,
+                "public_over_harness": pub / har, "public_samples_per_s": n / (pub / 1e3),
+                "attention": policy.model.plan.report(),
+            }], out)  # fmt: skip
+        policy.close()
+        del policy
+        torch.cuda.empty_cache()
+    return rows
+
+
 def run_quick(out: Path | None = None) -> None:
     """A short re-measure: case (a) batch 1 and 64, case (b) batch 8, 40 and 64."""
     bench_case("a", [1, 64], out, iters=10)

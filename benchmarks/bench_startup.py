@@ -10,6 +10,7 @@ Random weights built on the GPU: a checkpoint load adds the safetensors read.
 
 from __future__ import annotations
 
+import tempfile
 import time
 from pathlib import Path
 from typing import Any
@@ -19,6 +20,7 @@ import torch
 from benchmarks.common import ModelProcessor, make_inputs, run_cli, write_rows
 
 BENCH = "startup"
+CAMERAS = {"image": "base_0_rgb", "wrist": "left_wrist_0_rgb"}
 
 
 def run(out: Path | None = None) -> list[dict[str, Any]]:
@@ -53,21 +55,39 @@ def run(out: Path | None = None) -> list[dict[str, Any]]:
     }], out)  # fmt: skip
     del policy, model
     torch.cuda.empty_cache()
-    return rows + run_public(out)
+    return rows + run_public(out) + run_checkpoint(out)
 
 
-def run_public(out: Path | None = None) -> list[dict[str, Any]]:
-    """`make_policy(config="base", device="cuda")` to ready, then act() at batch 1 and 64 (first and later call)."""
+def run_checkpoint(out: Path | None = None) -> list[dict[str, Any]]:
+    """`run_public` from a full-size checkpoint folder (written by `save_pretrained` of a random policy first)."""
+    from phyai_gym.make import make_policy
+
+    with tempfile.TemporaryDirectory() as folder:
+        policy = make_policy(config="base", device="cuda", camera_map=CAMERAS)
+        policy.save_pretrained(folder)
+        policy.close()
+        del policy
+        torch.cuda.empty_cache()
+        return run_public(out, folder)
+
+
+def run_public(out: Path | None = None, checkpoint: str | None = None) -> list[dict[str, Any]]:
+    """`make_policy(config="base", device="cuda")` (or `make_policy(checkpoint)`) to ready, then act() at batch 1
+    and 64 (first and later call)."""
     import numpy as np
 
     from phyai_gym.make import make_policy
 
     torch.cuda.synchronize()
     start = time.perf_counter()
-    policy = make_policy(config="base", device="cuda", camera_map={"image": "base_0_rgb", "wrist": "left_wrist_0_rgb"})
+    if checkpoint is None:
+        policy = make_policy(config="base", device="cuda", camera_map=CAMERAS)
+    else:
+        policy = make_policy(checkpoint, device="cuda")
     torch.cuda.synchronize()
     ready = time.perf_counter()
-    row: dict[str, Any] = {"path": "public", "make_policy_s": ready - start,
+    row: dict[str, Any] = {"path": "public" if checkpoint is None else "public_checkpoint",
+                           "make_policy_s": ready - start,
                            "captures_at_start": policy.scheduler.stats.captures}  # fmt: skip
     rng = np.random.default_rng(0)
     for n in (1, 64):
@@ -83,6 +103,7 @@ def run_public(out: Path | None = None) -> list[dict[str, Any]]:
             row[key] = time.perf_counter() - t0
     row["graphs"], row["capture_s"] = policy.scheduler.stats.captures, policy.scheduler.stats.capture_seconds
     row["first_act_s"] = row["first_act_s_batch1"]
+    row["to_first_action_s"] = row["make_policy_s"] + row["first_act_s"]
     policy.close()
     torch.cuda.empty_cache()
     return write_rows(BENCH, [row], out)

@@ -111,6 +111,7 @@ SECTIONS: dict[str, Section] = {
     "ratio": section("benchmarks.bench_ratio"),
     "policy_quick": section("benchmarks.bench_policy", "run_quick"),
     "policy_targets": section("benchmarks.bench_policy", "run_targets"),
+    "public": section("benchmarks.bench_policy", "run_public"),
     "wrapper": section("benchmarks.bench_wrapper", device="cuda", cameras=(3,), iters=10),
     "soak": section("benchmarks.soak_gpu"),
     "processor": section("benchmarks.bench_processor", device="cuda"),

@@ -76,28 +76,33 @@ def _pil_bilinear_coeffs(in_size: int, out_size: int) -> tuple[tuple[int, ...], 
 
 @functools.cache
 def _coeff_tensors(in_size: int, out_size: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
-    """Device tensors of `_pil_bilinear_coeffs`, built once per (sizes, device): no copy on the step path."""
+    """Device tensors of `_pil_bilinear_coeffs`, built once per (sizes, device).
+
+    Returns the (out * taps,) input index of every tap (clamped into the image; a clamped tap has weight 0) and the
+    (out, taps) int32 weights.
+    """
     starts, fixed = _pil_bilinear_coeffs(in_size, out_size)
+    taps = len(fixed[0])
+    index = [min(start + t, in_size - 1) for start in starts for t in range(taps)]
     return (
-        torch.tensor(starts, dtype=torch.int64, device=device),
+        torch.tensor(index, dtype=torch.int64, device=device),
         torch.tensor(fixed, dtype=torch.int32, device=device),
     )
 
 
 def _antialias_pass(x: torch.Tensor, out_size: int, dim: int) -> torch.Tensor:
-    """One PIL-style 1-D resampling pass of uint8 (B, H, W, 3) `x` along `dim` (2 = width, 1 = height)."""
-    in_size = x.shape[dim]
-    start_t, weights = _coeff_tensors(in_size, out_size, x.device)  # (out,), (out, taps)
-    shape = [1] * x.ndim
-    shape[dim] = out_size
-    acc: torch.Tensor | None = None
-    for t in range(weights.shape[1]):
-        index = torch.clamp(start_t + t, max=in_size - 1)
-        term = x.index_select(dim, index).to(torch.int32) * weights[:, t].reshape(shape)
-        acc = term if acc is None else acc.add_(term)
-    assert acc is not None
-    acc.add_(1 << (_PRECISION_BITS - 1))  # round half up, as PIL does
-    return torch.clamp(acc >> _PRECISION_BITS, 0, 255).to(torch.uint8)
+    """One PIL-style 1-D resampling pass of uint8 (B, H, W, 3) `x` along `dim` (2 = width, 1 = height).
+
+    Every tap is gathered at once, weighted and summed in int32: a fixed number of kernels whatever the tap count.
+    """
+    index, weights = _coeff_tensors(x.shape[dim], out_size, x.device)  # (out * taps,), (out, taps)
+    taps = weights.shape[1]
+    gathered = x.index_select(dim, index)  # (B, out * taps, W, 3) or (B, H, out * taps, 3)
+    shape = [*x.shape[:dim], out_size, taps, *x.shape[dim + 1 :]]
+    w = weights.reshape(out_size, taps, *([1] * (x.ndim - dim - 1)))
+    acc = (gathered.reshape(shape).to(torch.int32) * w).sum(dim=dim + 1, dtype=torch.int32)
+    acc += 1 << (_PRECISION_BITS - 1)  # round half up, as PIL does
+    return (acc >> _PRECISION_BITS).clamp_(0, 255).to(torch.uint8)
 
 
 def _resize_antialias(x: torch.Tensor, height: int, width: int) -> torch.Tensor:

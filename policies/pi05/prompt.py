@@ -171,10 +171,13 @@ class PromptBuilder:
         for i, p in enumerate(pieces):
             table[i, : len(p)] = p
         self._bin_ids = torch.from_numpy(table).to(self.device)  # (257, Tb); row b+1 holds bin b
-        self._bin_len = torch.tensor([len(p) for p in pieces], dtype=torch.int32, device=self.device)
+        self._bin_len = torch.tensor([len(p) for p in pieces], dtype=torch.int64, device=self.device)
+        self._edges = {dt: state_bin_edges(self.device, dt) for dt in (torch.float32, torch.float64)}
+        self._bin_offsets = torch.arange(self.max_bin_len, device=self.device)
         self._bin_len_host = [len(p) for p in pieces]
         self._bin_pieces = pieces
         self._tail = self.tokenizer.encode(_STATE_TAIL)
+        self._tail_offsets = torch.arange(len(self._tail), device=self.device)
         rng = np.random.default_rng(0)
         probes = [list(range(-1, NUM_BINS)), [0], [255, -1]] + [
             list(rng.integers(-1, NUM_BINS, size=int(rng.integers(1, 33)))) for _ in range(16)
@@ -296,6 +299,13 @@ class PromptBuilder:
             tail = self.__dict__["_tail_dev"] = torch.tensor(self._tail, dtype=torch.int32, device=self.device)
         return tail
 
+    def _head_offsets(self, width: int) -> torch.Tensor:
+        """``arange(width)`` on the device, kept for the task table's current width."""
+        offsets = self.__dict__.get("_head_offsets_dev")
+        if offsets is None or offsets.shape[0] != width:
+            offsets = self.__dict__["_head_offsets_dev"] = torch.arange(width, device=self.device)
+        return offsets
+
     def _task_only(self, rows: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
         longest = max(self._task_len[r] for r in rows)
         length = self.bucket_for(longest)
@@ -317,20 +327,21 @@ class PromptBuilder:
         index = self._row_index(rows)
         head_ids = self._task_ids.index_select(0, index)  # (N, P)
         head_len = self._task_len_dev.index_select(0, index).to(torch.int64)  # (N,)
-        bins = discretize_state(state) + 1  # (N, S) in [0, 256]
+        edges = self._edges.get(state.dtype, self._edges[torch.float32])
+        bins = torch.bucketize(state.to(edges.dtype), edges, right=True)  # (N, S): discretize_state + 1, in [0, 256]
         bin_ids = self._bin_ids[bins]  # (N, S, Tb)
-        bin_len = self._bin_len[bins].to(torch.int64)  # (N, S)
+        bin_len = self._bin_len[bins]  # (N, S)
         ends = head_len[:, None] + torch.cumsum(bin_len, dim=1)  # (N, S)
         tail_start = ends[:, -1]  # (N,)
         total = tail_start + len(self._tail)  # (N,)
         trash = length  # scatter target of every invalid / truncated piece
-        p = torch.arange(head_ids.shape[1], device=dev)
-        head_pos = torch.where(p[None, :] < head_len[:, None], p[None, :], trash)
-        k = torch.arange(self.max_bin_len, device=dev)
+        p = self._head_offsets(head_ids.shape[1])
+        head_pos = torch.where(p < head_len[:, None], p, trash)
+        k = self._bin_offsets
         bin_pos = (ends - bin_len)[..., None] + k  # (N, S, Tb)
         bin_pos = torch.where(k < bin_len[..., None], bin_pos, trash).reshape(n, -1)
         tail_ids = self._tail_ids().expand(n, -1)
-        tail_pos = tail_start[:, None] + torch.arange(len(self._tail), device=dev)
+        tail_pos = tail_start[:, None] + self._tail_offsets
         pos = torch.cat([head_pos, bin_pos, tail_pos], dim=1).clamp_(max=trash)
         ids = torch.cat([head_ids, bin_ids.reshape(n, -1), tail_ids], dim=1)
         tokens = torch.zeros(n, length + 1, dtype=torch.int32, device=dev)

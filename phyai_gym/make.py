@@ -239,7 +239,7 @@ def make_policy(
         rollout: rollout settings (None: the checkpoint's or the defaults).
         max_batch_size: largest batch one scheduler replay serves.
         cuda_graphs: capture CUDA graphs on a GPU (False: eager, e.g. for a trainer copy). Each shape is captured
-            the first time a call needs it (`SchedulerConfig`: an estimated 0.3-1 s more for that call at full size).
+            the first time a call needs it (`SchedulerConfig`: under a second more for that call at full size).
         warmup: shapes to capture while building instead: (batch_size, prompt_length) pairs, or "all"
             (`SchedulerConfig.warmup`).
         **processor_kwargs: `ProcessorConfig` overrides of a random policy (e.g. ``prompt_format="state"``).

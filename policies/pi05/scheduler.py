@@ -101,9 +101,8 @@ class SchedulerConfig:
 
     A graph shape is (batch bucket, prompt bucket, camera set, K). On CUDA each shape's prefix and denoise graphs
     are captured the first time a call needs them; later calls replay them. That first call pays one eager run of
-    the shape (kernel compilation, cuBLAS workspaces), a device synchronisation and two captures: for pi05_base
-    an estimated 0.3-1 s (whole start-ups captured 0.15-0.4 s a graph, build included; `bench_startup` reports
-    `first_act_s`); each later call replays.
+    the shape (kernel compilation, cuBLAS workspaces), a device synchronisation and two captures (for pi05_base
+    under a second: `first_act_s` in `benchmarks/results/ppo.jsonl`); each later call replays.
     A new shape mid-run adds its own graphs and never recaptures others; weights synced in place (`WeightSync`)
     keep every graph valid, whenever it was captured.
 

@@ -28,9 +28,9 @@ from pathlib import Path
 
 from benchmarks.common import write_rows
 from phyai_gym import cli
-from phyai_gym.dataclass_cli import parse_dataclass
 from phyai_gym.evaluation import EPISODES_FILE, read_jsonl, wilson_interval
 from phyai_gym.train.curves import plot_curves
+from phyai_gym.train.dataclass_cli import parse_dataclass
 
 BENCH = "real_task_rl"
 ROOT = Path(__file__).resolve().parents[1]

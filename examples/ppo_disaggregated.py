@@ -38,9 +38,9 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
-from phyai_gym.dataclass_cli import parse_dataclass
 from phyai_gym.make import make_env, make_policy
 from phyai_gym.threads import configure_threads
+from phyai_gym.train.dataclass_cli import parse_dataclass
 from phyai_gym.train.distributed import average_gradients_
 from phyai_gym.train.master_weights import MasterWeights
 from phyai_gym.train.ppo_math import gae, ppo_loss

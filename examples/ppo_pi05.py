@@ -53,10 +53,10 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from phyai_gym.dataclass_cli import parse_dataclass
 from phyai_gym.make import make_env, make_policy
 from phyai_gym.threads import configure_threads
 from phyai_gym.train.curves import CurveLog
+from phyai_gym.train.dataclass_cli import parse_dataclass
 from phyai_gym.train.distributed import GradientMean, ProcessGroup
 from phyai_gym.train.master_weights import MasterWeights
 from phyai_gym.train.ppo_math import LOGPROB_REDUCTIONS, RewardNormalizer, clipped_losses, gae, log_ratio, ratio_stats

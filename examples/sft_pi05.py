@@ -21,10 +21,10 @@ from dataclasses import dataclass, field
 import numpy as np
 import torch
 
-from phyai_gym.dataclass_cli import parse_dataclass
 from phyai_gym.make import make_env, make_policy
 from phyai_gym.threads import configure_threads
 from phyai_gym.train.curves import CurveLog
+from phyai_gym.train.dataclass_cli import parse_dataclass
 from phyai_gym.train.demos import EXPERTS, ChunkSampler, read_demos, record_demos, write_demos
 from phyai_gym.train.master_weights import MasterWeights
 from policies.base import RolloutConfig

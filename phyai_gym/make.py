@@ -19,8 +19,9 @@ from typing import Any
 
 from gymnasium.vector import VectorEnv
 
+from phyai_gym.train.training_state import CHECKPOINTS, LAST, PRETRAINED, latest_checkpoint
 from policies.checks import bad_input, check_device, check_int
-from policies.pi05.checkpoint import checkpoint_folder, load_config
+from policies.pi05.checkpoint import CheckpointError, checkpoint_folder, load_config
 from policies.pi05.config import Pi05Config
 from policies.pi05.policy import Pi05Policy, RolloutConfig
 from policies.pi05.presets import list_presets
@@ -195,8 +196,19 @@ def standin_tokenizer() -> Path:
 def check_checkpoint(path: str | Path, argument: str = "checkpoint") -> Path:
     """The checkpoint folder, or a `CheckpointError` saying what `path` is instead and how to get a folder.
 
-    `argument` names the value in the message (``"--checkpoint"`` from the command line).
+    A training run folder (``--run-dir`` of the PPO and SFT examples) stands for its newest complete checkpoint's
+    policy, ``RUN/checkpoints/last/pretrained_model``. `argument` names the value in the message
+    (``"--checkpoint"`` from the command line).
     """
+    if isinstance(path, str | Path) and (Path(path).expanduser() / CHECKPOINTS).is_dir():
+        last = latest_checkpoint(Path(path).expanduser())
+        if last is None:
+            raise CheckpointError(bad_input(
+                argument, "a checkpoint folder, or a training run folder with a complete checkpoint",
+                f"the run folder {str(path)!r}, whose {CHECKPOINTS}/ has no '{LAST}' checkpoint yet",
+                "wait for the run's first checkpoint (--save-every), or pass a checkpoint folder", raw=True,
+            ))  # fmt: skip
+        path = last / PRETRAINED
     return checkpoint_folder(path, argument)
 
 

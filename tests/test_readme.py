@@ -37,8 +37,7 @@ SKIPPED = {
     "python examples/sft_pi05.py --help": "runs from the repository root; tests/examples/test_sft.py runs the script",
     "python examples/ppo_pi05.py --run-dir runs/ppo --save-every 5": PPO_RUN,
     "python examples/ppo_pi05.py --resume runs/ppo --total-iterations 40": PPO_RUN,
-    "phyai-gym eval --env target --checkpoint runs/ppo/checkpoints/last/pretrained_model --episodes 64 --out "
-    "runs/ppo/eval": PPO_RUN,
+    "phyai-gym eval --env target --checkpoint runs/ppo --episodes 64 --out runs/ppo/eval": PPO_RUN,
     'pip install torch==2.13.0 && pip install -e ".[sim]" && phyai-gym run': f"{NETWORK}; `phyai-gym run` runs here",
     'pip install torch==2.13.0 && pip install -e ".[test,sim,warp]" && bash .ci/install_sims.sh && '
     ". ~/.cache/phyai-gym/sim_env.sh && python3 -m pytest -q": f"{NETWORK}; then {SUITE}",

@@ -11,6 +11,7 @@ import torch
 
 from phyai_gym.cli import main as cli_main
 from phyai_gym.make import make_env, make_policy
+from policies.pi05.checkpoint import CheckpointError
 from tests.examples.test_ppo import _ppo_module
 
 TINY = dict(num_envs=4, num_steps=2, eval_episodes=0, quiet=True)
@@ -36,6 +37,7 @@ def test_checkpoint_loads_with_make_policy_and_acts_bitwise(tmp_path):
     assert sorted(p.name for p in folder.iterdir()) == [
         "config.json", "model.safetensors", "policy_config.json", "processor_config.json"]  # fmt: skip
     loaded = make_policy(folder)
+    from_run = make_policy(tmp_path / "run")  # a run folder stands for its newest checkpoint
     trained = result["policy"]
     assert loaded.weight_version == 0 and trained.weight_version == 3  # initial sync + one per iteration
     env = make_env("target", 4)
@@ -45,10 +47,17 @@ def test_checkpoint_loads_with_make_policy_and_acts_bitwise(tmp_path):
         b = loaded.act(obs, seeds=[5, 6, 7, 8], deterministic=deterministic)
         assert torch.equal(a.actions, b.actions)
         assert torch.equal(a.log_prob_elements, b.log_prob_elements)
+        assert torch.equal(from_run.act(obs, seeds=[5, 6, 7, 8], deterministic=deterministic).actions, b.actions)
     env.close()
     steps = json.loads((folder.parent / "training_state" / "training_step.json").read_text())
     assert steps == {"iteration": 2, "global_step": 16, "weight_version": 3}
     assert cli_main(["eval", "--checkpoint", str(folder), "--env", "target", "--episodes", "4"]) == 0
+
+
+def test_a_run_folder_without_a_checkpoint_is_refused_with_the_fix(tmp_path):
+    (tmp_path / "run" / "checkpoints" / "000002.tmp").mkdir(parents=True)  # a run killed while saving its first
+    with pytest.raises(CheckpointError, match=r"checkpoint: expected a checkpoint folder.*no 'last' checkpoint yet"):
+        make_policy(tmp_path / "run")
 
 
 def test_resume_after_2_of_4_iterations_gives_the_straight_curve(tmp_path):

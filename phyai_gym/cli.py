@@ -238,7 +238,7 @@ def _eval(args: argparse.Namespace) -> int:
         for e in envs:
             e.close()
         raise
-    limit, settle = _episode_limits(env, kind)
+    limit, settle = _episode_limits(env)
     header = {
         "env": args.env,
         "policy": args.policy or "checkpoint",
@@ -318,21 +318,11 @@ def _protocol_env(cfg: RunConfig, kwargs: dict[str, Any]) -> Any:
                     vectorization=cfg.resolved_vectorization(), **kwargs)  # fmt: skip
 
 
-def _episode_limits(env: Any, kind: str) -> tuple[int | None, int | None]:
-    """(episode limit, settle steps) of the first sub-env, where the env exposes them.
+def _episode_limits(env: Any) -> tuple[int | None, int | None]:
+    """(episode limit, settle steps) of the first sub-env, where the env exposes them."""
+    from phyai_gym.run import episode_limit, sub_env_attr
 
-    Settle steps are asked of LIBERO only: an async worker asked for a missing attribute shuts down.
-    """
-
-    def first(name: str) -> Any:
-        try:
-            return env.get_attr(name)[0]
-        except Exception:  # not every env has the attribute, and async envs may refuse
-            return None
-
-    from phyai_gym.run import episode_limit
-
-    return episode_limit(env), (first("settle_steps") if kind == "libero" else None)
+    return episode_limit(env), sub_env_attr(env, "settle_steps")
 
 
 def build_parser() -> argparse.ArgumentParser:

@@ -258,25 +258,28 @@ def action_chunk_for(cfg: RunConfig, policy: Any) -> int:
     return int(rollout.action_chunk) if rollout is not None else min(5, int(policy.action_horizon))
 
 
-def episode_limit(env: Any) -> int | None:
-    """Episode limit in env steps of the first sub-env, where the env exposes one (read below vector wrappers)."""
+def sub_env_attr(env: Any, name: str) -> Any:
+    """Attribute `name` of the first sub-env of a vector env (read below vector wrappers), or None without one.
+
+    The sub-env is asked `has_wrapper_attr(name)` first: an async worker asked for an attribute it lacks reports
+    the error and shuts down, which would break the env for the rest of the run.
+    """
     while not callable(getattr(env, "get_attr", None)) and hasattr(env, "env"):
         env = env.env
-
-    def first(name: str) -> Any:
-        try:
-            return env.get_attr(name)[0]
-        except Exception:  # not every env has the attribute, and async envs may refuse
+    try:
+        if callable(getattr(env, "call", None)) and not env.call("has_wrapper_attr", name)[0]:
             return None
+        return env.get_attr(name)[0]
+    except Exception:  # an env without get_attr, or one whose sub-envs are no Gymnasium envs
+        return None
 
-    # `spec` first: every Gymnasium env has it, while asking an async worker for a missing attribute shuts it down
-    limit = getattr(first("spec"), "max_episode_steps", None)
-    if limit is None:
-        limit = first("max_episode_steps")
-    if limit is None:
-        limit = first("_max_episode_steps")  # a time-limit wrapper outside the registry (ManiSkill's)
-    if limit is None:
-        limit = first("episode_length")
+
+def episode_limit(env: Any) -> int | None:
+    """Episode limit in env steps of the first sub-env, where the env exposes one (read below vector wrappers)."""
+    limit = getattr(sub_env_attr(env, "spec"), "max_episode_steps", None)
+    for name in ("max_episode_steps", "_max_episode_steps", "episode_length"):  # ManiSkill's time limit: the 2nd
+        if limit is None:
+            limit = sub_env_attr(env, name)
     return None if limit is None else int(limit)
 
 

@@ -60,3 +60,17 @@ def test_torn_last_line_is_ignored(tmp_path):
     result = evaluate_success(env, 3, out_dir=tmp_path)
     env.close()
     assert result.complete and sorted(r["episode_id"] for r in result.rows) == [0, 1, 2]
+
+
+def test_probing_a_missing_attribute_leaves_async_workers_alive():
+    """An async worker asked for an attribute it lacks shuts down; `sub_env_attr` asks `has_wrapper_attr` first."""
+    from phyai_gym.run import episode_limit, sub_env_attr
+
+    env = make_env("Pusher-v5", 2, image_size=16, vectorization="async")
+    try:
+        assert sub_env_attr(env, "settle_steps") is None  # Pusher has none (LIBERO has)
+        assert episode_limit(env) == 100
+        env.reset(seed=0)
+        env.step(env.action_space.sample())  # both workers still answer
+    finally:
+        env.close()

@@ -5,7 +5,8 @@ peak memory and start-up (load + allocate + capture).
     python -m benchmarks.bench_policy --case a --batches 1 8 64          # on a GPU; rows -> results/policy.jsonl
 
 `run(out)` is the `policy` section of `gpu_suite.py` (both C8 sweeps), `run_rollout(out)` the `rollout` section
-(sde + prefix values at batch 8 and 64) and `run_quick(out)` the `policy_quick` section.
+(sde + prefix values at batch 8 and 64), `run_quick(out)` the `policy_quick` section and `run_public(out)` the
+`public` section (the public act() against the harness's call on the same policy, rows of kind ``public``).
 """
 
 from __future__ import annotations

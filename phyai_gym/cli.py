@@ -163,7 +163,9 @@ def _eval(args: argparse.Namespace) -> int:
         build_policy,
         building_policy_message,
         check_state_fits,
+        episode_limit,
         phase,
+        sub_env_attr,
     )
     from phyai_gym.threads import configure_threads
     from policies.checks import check_int
@@ -238,7 +240,7 @@ def _eval(args: argparse.Namespace) -> int:
         for e in envs:
             e.close()
         raise
-    limit, settle = _episode_limits(env)
+    limit, settle = episode_limit(env), sub_env_attr(env, "settle_steps")
     header = {
         "env": args.env,
         "policy": args.policy or "checkpoint",
@@ -316,13 +318,6 @@ def _protocol_env(cfg: RunConfig, kwargs: dict[str, Any]) -> Any:
         kwargs["image_size"] = cfg.image_size
     return make_env(cfg.env, cfg.num_envs, max_episode_steps=cfg.max_episode_steps,
                     vectorization=cfg.resolved_vectorization(), **kwargs)  # fmt: skip
-
-
-def _episode_limits(env: Any) -> tuple[int | None, int | None]:
-    """(episode limit, settle steps) of the first sub-env, where the env exposes them."""
-    from phyai_gym.run import episode_limit, sub_env_attr
-
-    return episode_limit(env), sub_env_attr(env, "settle_steps")
 
 
 def build_parser() -> argparse.ArgumentParser:

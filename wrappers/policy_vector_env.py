@@ -331,12 +331,12 @@ class PolicyVectorEnv(VectorWrapper):
         done = result.done.cpu().numpy()
         rows = np.flatnonzero(done)
         values = torch.zeros(group.num_envs, device=device)
-        if rows.size:
-            size = min(1 << (rows.size - 1).bit_length(), group.num_envs)
-            rows = np.concatenate([rows, np.flatnonzero(~done)[: size - rows.size]])
-            critic = self.policy.value(take_rows(result.final_obs, rows), env_ids=(rows + group.offset).tolist())
-            finished = int(done.sum())
-            values[torch.as_tensor(rows[:finished], device=device)] = critic[:finished].to(device, torch.float32)
+        finished = rows.size
+        if finished:
+            size = min(1 << (finished - 1).bit_length(), group.num_envs)
+            padded = np.concatenate([rows, np.flatnonzero(~done)[: size - finished]])
+            critic = self.policy.value(take_rows(result.final_obs, padded), env_ids=(padded + group.offset).tolist())
+            values[torch.as_tensor(rows, device=device)] = critic[:finished].to(device, torch.float32)
         return values
 
     def _assemble(

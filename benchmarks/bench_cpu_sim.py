@@ -13,9 +13,10 @@ Two modes, one row per (W, render):
 
 * ``env_only`` (-> ``cpu_sim_env_only.jsonl``): a `ConstantPolicy` (no compute) drives W envs, one
   async worker each (``--vectorization sync`` steps them in-process); env-steps/s = N * C * chunks / wall.
-* ``cpu_sim_loop`` (-> ``cpu_sim_loop.jsonl``): the full loop with PI0.5 (`phyai_gym.make_policy`; tiny on
-  CPU, ``--config base --device cuda`` on the GPU machine), env-steps/s of ``step()``, and the policy/env split
-  from rounds that time ``policy.act(obs)`` and ``step(actions)`` apart.
+* ``cpu_sim_loop`` (-> ``cpu_sim_loop.jsonl``; a LIBERO suite -> ``libero_gpu_rollout.jsonl``, with ``suite``
+  and ``protocol``): the full loop with PI0.5 (`phyai_gym.make_policy`; tiny on CPU, ``--config base --device
+  cuda`` on the GPU machine), env-steps/s of ``step()``, and the policy/env split from rounds that time
+  ``policy.act(obs)`` and ``step(actions)`` apart.
 
 MuJoCo and LIBERO render through ``MUJOCO_GL`` (egl by default; osmesa for software rendering)::
 
@@ -23,6 +24,8 @@ MuJoCo and LIBERO render through ``MUJOCO_GL`` (egl by default; osmesa for softw
     MUJOCO_GL=egl python -m benchmarks.bench_cpu_sim --env libero_spatial --workers 1 4 16
     MUJOCO_GL=osmesa python -m benchmarks.bench_cpu_sim --workers 1 4 16 --out DIR
     MUJOCO_GL=egl python -m benchmarks.bench_cpu_sim --mode cpu_sim_loop --config base --device cuda --workers 16 64
+    MUJOCO_GL=egl python -m benchmarks.bench_cpu_sim --mode cpu_sim_loop --env libero_spatial --config base \
+        --device cuda --workers 16 40 --groups 2
 """
 
 from __future__ import annotations
@@ -141,7 +144,8 @@ def run(args: argparse.Namespace) -> list[dict[str, Any]]:
     os.environ.setdefault("MUJOCO_GL", "egl")
     from phyai_gym import make_env
 
-    bench = "cpu_sim_env_only" if args.mode == "env_only" else "cpu_sim_loop"
+    libero = args.env.startswith("libero_")
+    bench = "cpu_sim_env_only" if args.mode == "env_only" else "libero_gpu_rollout" if libero else "cpu_sim_loop"
     rows = []
     for workers in args.workers:
         g = args.groups
@@ -168,7 +172,9 @@ def run(args: argparse.Namespace) -> list[dict[str, Any]]:
                 "chunks": args.chunks, "rounds": args.rounds,
             }  # fmt: skip
             if args.mode == "cpu_sim_loop":
-                row.update(policy=f"pi05-{args.config}", device=args.device)
+                row.update(policy=f"pi05-{args.config}", device=args.device, num_envs=workers)
+            if libero:  # make_env's LIBERO default: openpi's episode limits and settle steps
+                row.update(suite=args.env, protocol="openpi_libero")
             rows += write_rows(bench, [row], args.out)
     return rows
 

@@ -48,9 +48,14 @@ def _mean(rows: list[dict[str, Any]], key: str) -> float:
     return float(np.mean(values)) if values else float("nan")
 
 
-def health_row(curve: list[dict[str, Any]], args: Any) -> dict[str, Any]:
-    """The ``ppo_health`` row of one run's curve (the `Args` it ran with give the settings)."""
+def health_row(curve: list[dict[str, Any]], args: Any, final: dict[str, float] | None = None) -> dict[str, Any]:
+    """The ``ppo_health`` row of one run's curve (the `Args` it ran with give the settings).
+
+    `final` is the example's end-of-run success rates (``{"stochastic": ..., "deterministic": ...}``) when it
+    measured them (``eval_episodes > 0``).
+    """
     kl, clipfrac = _mean(curve, "approx_kl_mean"), _mean(curve, "clipfrac")
+    final = final or {}
     return {
         "env": args.env,
         "config": args.config if args.checkpoint is None else args.checkpoint,
@@ -74,6 +79,9 @@ def health_row(curve: list[dict[str, Any]], args: Any) -> dict[str, Any]:
         "clipfrac_mean": clipfrac,
         "explained_variance": float(curve[-1]["explained_variance"]),
         "success_rate_last": float(curve[-1]["success_rate"]),
+        "eval_episodes": args.eval_episodes,
+        "success_deterministic": final.get("deterministic"),
+        "success_stochastic": final.get("stochastic"),
         "healthy": bool(kl <= KL_LIMIT and clipfrac <= CLIPFRAC_LIMIT),
     }
 
@@ -99,11 +107,13 @@ def run(options: argparse.Namespace) -> list[dict[str, Any]]:
                         **extra,
                         env=env, config=options.config, device=options.device, seed=seed, learning_rate=lr,
                         logprob_reduction=reduction, total_iterations=options.iterations, num_envs=options.num_envs,
-                        num_steps=options.num_steps, action_chunk=options.action_chunk, eval_episodes=0, csv=None,
+                        num_steps=options.num_steps, action_chunk=options.action_chunk,
+                        eval_episodes=options.eval_episodes, csv=None,
                         quiet=True,
                     )  # fmt: skip
                     result = ppo.train(args)
-                    row = {**health_row(result["curve"], args), "flags": options.flags}
+                    final = result["final"] if options.eval_episodes > 0 else None
+                    row = {**health_row(result["curve"], args, final), "flags": options.flags}
                     rows += write_rows("ppo_health", [row], options.out)
                     del result  # two base-config policies: free them before the next run builds its own
                     gc.collect()
@@ -126,6 +136,8 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--num-envs", type=int, default=32)
     parser.add_argument("--num-steps", type=int, default=4, help="T, policy calls per env per rollout")
     parser.add_argument("--action-chunk", type=int, default=1, help="C (Pusher in issue 40: 5)")
+    parser.add_argument("--eval-episodes", type=int, default=0,
+                        help="episodes of the example's final success measurement (stochastic and deterministic)")
     parser.add_argument("--flags", default="", help='more ppo_pi05.py flags for every run, e.g. "--norm-reward"')
     parser.add_argument("--out", type=Path, default=None, help="folder for ppo_health.jsonl (default: results/)")
     run(parser.parse_args(argv))

@@ -131,8 +131,11 @@ TABLES: dict[str, Table] = {
     "real_task_rl": Table(("env", "config", "demos", "iterations", "seed"),
                           ("sft_success", "sft_ci", "ppo_success", "ppo_ci", "gain_points", "intervals_overlap",
                            "eval_episodes")),
+    "libero_gpu_rollout": Table(("suite", "protocol", "policy", "num_envs", "groups", "render"),
+                                ("env_steps_per_s", "policy_ms_per_chunk", "env_ms_per_chunk", "policy_share")),
     "ppo_health": Table(("config", "env", "action_chunk", "lr", "logprob_reduction", "flags", "seed"),
-                        ("approx_kl_mean", "approx_kl_chunk_mean", "clipfrac_mean", "explained_variance", "healthy")),
+                        ("approx_kl_mean", "approx_kl_chunk_mean", "clipfrac_mean", "explained_variance", "healthy",
+                         "success_deterministic")),
 }
 """Case and shown fields per benchmark, or per ``"<bench>.<kind>"`` (add a line with a new benchmark)."""
 

@@ -110,6 +110,9 @@ class Args:
     """rendered image side of a simulator env (None: the env's own; e.g. 32 keeps MuJoCo Warp cheap on the CPU)"""
     cameras: str | None = None
     """MuJoCo Warp envs: the cameras to render, comma-separated ("image" or "image,wrist_image"; None: both)"""
+    reward_mode: str | None = None
+    """MuJoCo Warp envs: "sparse" (1 at success: RL on success, as RLinf trains VLAs) or "normalized_dense" (None:
+    the env's, dense; success ends an episode, so the dense reward pays more for hovering near success)"""
     num_envs: int = 32
     """N, parallel envs (per rank under torchrun: G ranks step G*N envs)"""
     num_steps: int = 2
@@ -351,6 +354,8 @@ def _train(args: Args, curves: CurveLog, group: ProcessGroup | None, resume_from
         env_kwargs["image_size"] = args.image_size
     if args.cameras is not None:
         env_kwargs["cameras"] = tuple(c.strip() for c in args.cameras.split(",") if c.strip())
+    if args.reward_mode is not None:
+        env_kwargs["reward_mode"] = args.reward_mode
     raw_env = make_env(args.env, args.num_envs, **env_kwargs)
     action_dim = int(raw_env.single_action_space.shape[0])
 

@@ -29,6 +29,7 @@ ENVS: tuple[str, ...] = (
     "StackCube-v1",
     "mjwarp_pick_cube",
     "mjwarp_push_cube",
+    "mjwarp_push_cube_state",
 )
 """The names the table lists (every Gymnasium MuJoCo id and ManiSkill3 task id works the same way)."""
 START, END = "<!-- env-table:start (python -m phyai_gym.env_table --write) -->", "<!-- env-table:end -->"

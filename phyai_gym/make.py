@@ -32,7 +32,7 @@ TEST_ENVS: tuple[str, ...] = ("scripted", "target")
 LIBERO_PREFIX = "libero_"
 WARP_PREFIX = "mjwarp_"
 """MuJoCo Warp tasks: ``mjwarp_`` + a key of `wrappers.adapters.panda_tasks.TASKS`."""
-WARP_ENVS: tuple[str, ...] = ("mjwarp_pick_cube", "mjwarp_push_cube")
+WARP_ENVS: tuple[str, ...] = ("mjwarp_pick_cube", "mjwarp_push_cube", "mjwarp_push_cube_state")
 MODEL_FILE = "model.safetensors"
 _EXTRAS = {
     "mujoco": "pip install 'phyai-gym[sim]' (gymnasium[mujoco])",

@@ -43,9 +43,11 @@ from wrappers.adapters import panda_tasks as pt
 from wrappers.adapters.scripted import canonical_observation_space
 from wrappers.freeze import FREEZABLE_KEY, READ_EVERY_KEY, THAW_OPTION
 
-__all__ = ["CAMERAS", "MujocoWarpVectorEnv", "make_mujoco_warp_env"]
+__all__ = ["CAMERAS", "REWARD_MODES", "MujocoWarpVectorEnv", "make_mujoco_warp_env"]
 
 CAMERAS = ("image", "wrist_image")
+REWARD_MODES = ("normalized_dense", "sparse")
+"""ManiSkill's names: the task's dense reward scaled to [0, 1] (1 at success), or 1 at the success step, else 0."""
 """The scene's cameras: a third-person view and the wrist camera."""
 CONTROL_DT = 0.05
 """Seconds per env step (20 Hz control, as ManiSkill's Panda tasks); physics runs at the model's 5 ms."""
@@ -69,12 +71,15 @@ class MujocoWarpVectorEnv(VectorEnv):
     """A batch of Panda cube-task worlds in MuJoCo Warp with canonical torch observations (see the module doc).
 
     Args:
-        task: a key of `wrappers.adapters.panda_tasks.TASKS` ("pick_cube", "push_cube").
+        task: a key of `wrappers.adapters.panda_tasks.TASKS` ("pick_cube", "push_cube", "push_cube_state").
         num_envs: N worlds.
         image_size: side of every camera image (square).
         cameras: which of `CAMERAS` to render, in order.
         device: "cuda", "cuda:K" or "cpu" (None: CUDA when torch sees it).
         max_episode_steps: episode limit (None: the task's, 50).
+        reward_mode: "normalized_dense" or "sparse" (`REWARD_MODES`). Success ends an episode, so under the dense
+            reward an agent that hovers near success for the rest of the episode collects more than one that
+            succeeds at once; RL on success (RLinf's VLA recipes) uses "sparse".
         nconmax: contact capacity per world (MuJoCo Warp preallocates).
         njmax: constraint rows per world.
 
@@ -93,6 +98,7 @@ class MujocoWarpVectorEnv(VectorEnv):
         cameras: Sequence[str] = CAMERAS,
         device: str | torch.device | None = None,
         max_episode_steps: int | None = None,
+        reward_mode: str = "normalized_dense",
         nconmax: int = 48,
         njmax: int = 192,
     ) -> None:
@@ -107,6 +113,12 @@ class MujocoWarpVectorEnv(VectorEnv):
         self.cameras = tuple(cameras)
         self.image_size = int(image_size)
         self.max_episode_steps = int(max_episode_steps or self.task.max_episode_steps)
+        if reward_mode not in REWARD_MODES:
+            raise ValueError(
+                f"make_mujoco_warp_env: reward_mode must be one of {list(REWARD_MODES)}, got {reward_mode!r}. "
+                "Fix: reward_mode='sparse' (1 at success) or 'normalized_dense'."
+            )
+        self.reward_mode = reward_mode
         started = time.perf_counter()
         self.mj_model = pt.build_model(self.task, self.image_size)
         self.substeps = max(1, round(CONTROL_DT / self.mj_model.opt.timestep))
@@ -255,6 +267,8 @@ class MujocoWarpVectorEnv(VectorEnv):
         parts = [self._qpos[:, : pt.ARM_JOINTS + 2], self._site_xpos[:, self._tcp_site], tcp_quat]
         if self.task.goal_in_state:
             parts.append(self._goal)
+        if self.task.cube_in_state:  # ManiSkill's tcp_to_obj_pos
+            parts.append(self._qpos[:, self._cube_qpos : self._cube_qpos + 3] - self._site_xpos[:, self._tcp_site])
         return torch.cat(parts, dim=-1).float()
 
     def _render(self) -> None:
@@ -369,6 +383,8 @@ class MujocoWarpVectorEnv(VectorEnv):
         self._launch(self._kinematics_graph, lambda: self._mjw.kinematics(self.m, self.d))
         self._elapsed += (~self._frozen & ~pending).long()
         reward, success = self.task.evaluate(self.task_state())
+        if self.reward_mode == "sparse":
+            reward = success.float()
         idle = self._frozen | pending
         success = torch.where(self._frozen, self._terminal_success, success & ~pending)
         terminated = success & ~idle

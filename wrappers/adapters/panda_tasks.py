@@ -21,7 +21,7 @@ from __future__ import annotations
 
 import importlib.util
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 import numpy as np
@@ -31,6 +31,7 @@ __all__ = [
     "ARM_JOINTS",
     "PICK_CUBE",
     "PUSH_CUBE",
+    "PUSH_CUBE_STATE",
     "TASKS",
     "PandaTask",
     "TaskState",
@@ -111,10 +112,12 @@ class PandaTask:
             (PickCube); False: a target disc on the table shows it (PushCube).
         goal_radius: success radius (m) of the cube centre around the goal.
         cube_x: the range (m) of the cube's start in front of the robot base (y is always within +-0.1 m).
+        cube_in_state: True: the cube's position relative to the TCP (3) ends the state vector (ManiSkill's
+            ``tcp_to_obj_pos`` state observation): the policy need not find the cube in the images.
 
     Example:
-        >>> PICK_CUBE.state_dim, PUSH_CUBE.state_dim
-        (19, 16)
+        >>> PICK_CUBE.state_dim, PUSH_CUBE.state_dim, PUSH_CUBE_STATE.state_dim
+        (19, 16, 19)
     """
 
     name: str
@@ -123,11 +126,12 @@ class PandaTask:
     goal_in_state: bool
     goal_radius: float
     cube_x: tuple[float, float] = CUBE_XY[0]
+    cube_in_state: bool = False
 
     @property
     def state_dim(self) -> int:
-        """Arm and finger joints (9), TCP position and quaternion wxyz (7), then the goal (3) when hidden."""
-        return 9 + 7 + (3 if self.goal_in_state else 0)
+        """Arm and finger joints (9), TCP position and quaternion wxyz (7), the goal (3) if hidden, TCP to cube (3)."""
+        return 9 + 7 + (3 if self.goal_in_state else 0) + (3 if self.cube_in_state else 0)
 
     def sample(self, rng: np.random.Generator) -> tuple[np.ndarray, np.ndarray]:
         """One initial cube pose (xyz, quaternion wxyz; random yaw) and goal position, from `rng`."""
@@ -162,7 +166,10 @@ class PandaTask:
 PICK_CUBE = PandaTask("pick_cube", "pick up the red cube and move it to the goal position", 50, True, 0.025)
 PUSH_CUBE = PandaTask("push_cube", "push the cube to the red target", 50, False, 0.1, cube_x=(0.5, 0.6))
 """Its cube starts nearer the middle of the reach: the hand must get behind it and push 0.2 m further."""
-TASKS: dict[str, PandaTask] = {task.name: task for task in (PICK_CUBE, PUSH_CUBE)}
+PUSH_CUBE_STATE = replace(PUSH_CUBE, name="push_cube_state", cube_in_state=True)
+"""Push-cube with the cube's position in the state: what a small policy whose vision cannot place a 4 cm cube
+(the tiny config's random tower at 64 px) can learn on a CPU."""
+TASKS: dict[str, PandaTask] = {task.name: task for task in (PICK_CUBE, PUSH_CUBE, PUSH_CUBE_STATE)}
 
 
 def build_model(task: PandaTask, image_size: int, fovy: float = 45.0):  # -> mujoco.MjModel

@@ -53,6 +53,27 @@ def test_push_task_shows_its_goal_and_leaves_it_out_of_the_state():
     assert obs["state"].shape == (1, 16) and list(obs["images"]) == ["image"]
 
 
+def test_push_state_variant_ends_its_state_with_tcp_to_cube_and_sparse_reward_is_success():
+    dense = _env(4, "push_cube_state", cameras=("image",))
+    sparse = _env(4, "push_cube_state", cameras=("image",), reward_mode="sparse")
+    obs, _ = dense.reset(seed=3)
+    obs_sparse, _ = sparse.reset(seed=3)
+    s = dense.task_state()
+    assert obs["state"].shape == (4, 19)
+    assert torch.equal(obs["state"][:, :16], obs_sparse["state"][:, :16])
+    assert torch.allclose(obs["state"][:, 16:], s.cube_pos - s.tcp_pos)
+    finished = torch.zeros(4, dtype=torch.bool)
+    for _ in range(30):  # the expert finishes most pushes by then; both envs step the same worlds
+        action = pt.scripted_action(dense.task, dense.task_state())
+        _, r_dense, term, _, _ = dense.step(action)
+        _, r_sparse, term_sparse, _, _ = sparse.step(action)
+        assert torch.equal(term, term_sparse)
+        assert torch.equal(r_sparse, term.float())  # 1 at the success step (which ends the episode), else 0
+        assert torch.equal(r_dense > 0.99, term)  # the dense reward is 1 only there too
+        finished |= term
+    assert bool(finished.any())
+
+
 def test_n_worlds_equal_worlds_stepped_one_by_one(pick):
     actions = _actions(3, 4)
     obs, _ = pick.reset(seed=10)
@@ -173,6 +194,8 @@ def test_bad_input_is_refused_and_changes_nothing(pick):
         _env(0)
     with pytest.raises(ValueError, match="cameras must be"):
         _env(1, cameras=("top",))
+    with pytest.raises(ValueError, match="reward_mode must be one of"):
+        _env(1, reward_mode="dense")
     if not torch.cuda.is_available():
         with pytest.raises(ValueError, match="no CUDA device"):
             make_mujoco_warp_env("pick_cube", 1, device="cuda")

@@ -49,6 +49,8 @@ class Args:
     """the first seed (seeds first_seed .. first_seed + seeds - 1)"""
     demos: int = 64
     """expert episodes recorded for SFT"""
+    demo_noise: float = 0.0
+    """DART noise std on the executed expert actions while recording (the demos keep the clean actions)"""
     sft_steps: int = 400
     """SFT optimizer steps (batch 32)"""
     sft_trainable: str = "all"
@@ -73,6 +75,10 @@ class Args:
     """PPO actor learning rate (tiny sizes; a checkpoint defaults to base-sized rates)"""
     value_lr: float = 3e-3
     """PPO value-head learning rate"""
+    noise_level: float = 1.0
+    """PPO's flow-SDE noise level (exploration)"""
+    reward_mode: str = "normalized_dense"
+    """the env's reward in PPO: "sparse" (1 at success) or "normalized_dense" (make_env's default)"""
     eval_episodes: int = 48
     """episodes of each phyai-gym eval (deterministic)"""
     eval_envs: int = 16
@@ -86,8 +92,9 @@ class Args:
     def config(self) -> str:
         """The recipe in one string (the rows' ``config`` field)."""
         return (f"tiny,{self.image_size}px,{self.cameras},C={self.action_chunk},K={self.denoise_steps},"
-                f"sft={self.sft_trainable},sft_steps={self.sft_steps},ppo N={self.num_envs} T={self.num_steps} "
-                f"lr={self.learning_rate:g}/{self.value_lr:g}")  # fmt: skip
+                f"sft={self.sft_trainable},sft_steps={self.sft_steps},dart={self.demo_noise:g},ppo N={self.num_envs} "
+                f"T={self.num_steps} lr={self.learning_rate:g}/{self.value_lr:g} a={self.noise_level:g} "
+                f"{self.reward_mode}")  # fmt: skip
 
 
 def _example(name: str, argv: list[str]) -> None:
@@ -120,6 +127,7 @@ def one_seed(args: Args, seed: int, work: Path) -> dict:
                              "--demos", str(work / "demos.h5"), "--steps", str(args.sft_steps), "--image-size",
                              str(args.image_size), "--cameras", args.cameras, "--action-chunk", str(args.action_chunk),
                              "--denoise-steps", str(args.denoise_steps), "--trainable", args.sft_trainable,
+                             "--demo-noise", str(args.demo_noise),
                              "--out", str(sft), "--csv",
                              str(work / "sft_curve.csv"), "--eval-episodes", "0", "--log-every", "50"])  # fmt: skip
     sft_s = time.perf_counter() - started
@@ -131,7 +139,8 @@ def one_seed(args: Args, seed: int, work: Path) -> dict:
                              str(args.action_chunk), "--denoise-steps", str(args.denoise_steps), "--num-envs",
                              str(args.num_envs), "--num-steps", str(args.num_steps), "--total-iterations",
                              str(args.ppo_iterations), "--learning-rate", str(args.learning_rate), "--value-lr",
-                             str(args.value_lr), "--eval-episodes", "0"])  # fmt: skip
+                             str(args.value_lr), "--noise-level", str(args.noise_level), "--reward-mode",
+                             args.reward_mode, "--eval-episodes", "0"])  # fmt: skip
     ppo_s = time.perf_counter() - started
     ppo_k, ppo_n = evaluate(args, run / "checkpoints" / "last" / "pretrained_model", work / "eval_ppo", eval_seed)
     with (run / "curve.csv").open() as handle:

@@ -15,6 +15,7 @@ SFT, then RL.
 
 from __future__ import annotations
 
+import math
 import time
 from dataclasses import dataclass, field
 
@@ -70,6 +71,9 @@ class Args:
     """record this many episodes with the env's scripted expert into --demos first (0: read --demos as it is)"""
     record_envs: int = 16
     """parallel envs while recording (and in the final evaluation)"""
+    demo_noise: float = 0.0
+    """recording: std of Gaussian noise added to the executed expert actions, the demos keeping the clean ones
+    (DART): the demos then show corrections of the small errors a cloned policy makes"""
     # Rollout settings saved with the checkpoint (random policies; a --checkpoint keeps its own)
     action_chunk: int = 1
     """C, env steps per policy call when the checkpoint acts (eval, PPO); at most the model's horizon"""
@@ -82,6 +86,9 @@ class Args:
     """(episode, frame) samples per step"""
     learning_rate: float | None = None
     """AdamW learning rate (default: 1e-3 for the tiny config; 2.5e-5, openpi's PI0.5 rate, otherwise)"""
+    lr_schedule: str = "constant"
+    """"cosine" (the rate falls along a cosine to a tenth of --learning-rate at the last step, openpi's
+    peak-to-end ratio) or "constant" """
     weight_decay: float = 0.01
     """AdamW weight decay"""
     max_grad_norm: float = 1.0
@@ -105,6 +112,8 @@ class Args:
     def __post_init__(self) -> None:
         if self.learning_rate is None:
             self.learning_rate = 1e-3 if self.config == "tiny" and self.checkpoint is None else 2.5e-5
+        if self.lr_schedule not in ("cosine", "constant"):
+            raise ValueError(f"--lr-schedule: expected 'cosine' or 'constant', got {self.lr_schedule!r}.")
         if self.trainable not in ("expert", "all"):
             raise ValueError(f"--trainable: expected 'expert' or 'all', got {self.trainable!r}.")
         if self.record_episodes and self.env not in EXPERTS:
@@ -129,7 +138,8 @@ def train(args: Args) -> dict:
         print(threads)
     if args.record_episodes:
         envs = make_env(args.env, args.record_envs, **args.env_kwargs)
-        episodes = record_demos(envs, EXPERTS[args.env](envs), args.record_episodes, seed=args.seed)
+        episodes = record_demos(envs, EXPERTS[args.env](envs), args.record_episodes, seed=args.seed,
+                                noise=args.demo_noise)
         envs.close()
         write_demos(args.demos, episodes, {"env_id": args.env, "env_kwargs": args.env_kwargs})
         if not args.quiet:
@@ -153,6 +163,10 @@ def train(args: Args) -> dict:
     master = MasterWeights(p for _, p in policy.trainable_parameters())
     optimizer = torch.optim.AdamW(master.parameters(), lr=args.learning_rate, betas=(0.9, 0.95),
                                   weight_decay=args.weight_decay)  # fmt: skip
+    cosine = args.lr_schedule == "cosine"  # 1 at step 0, 0.1 at the last step
+    scheduler = torch.optim.lr_scheduler.LambdaLR(
+        optimizer, lambda step: 0.1 + 0.45 * (1 + math.cos(math.pi * step / max(1, args.steps))) if cosine else 1.0
+    )
     sampler = ChunkSampler(episodes, horizon)
     rng, gen = np.random.default_rng(args.seed), torch.Generator().manual_seed(args.seed)
 
@@ -186,6 +200,7 @@ def train(args: Args) -> dict:
             master.grads_to_masters()
             torch.nn.utils.clip_grad_norm_(master.parameters(), args.max_grad_norm)
             optimizer.step()
+            scheduler.step()
             master.masters_to_model()
             losses.append(loss.item())
             if step % args.log_every == 0 or step == args.steps:

@@ -23,6 +23,7 @@ into ``examples/sft_pi05.py`` by writing this layout, with `write_demos` or by h
 from __future__ import annotations
 
 import json
+import math
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -132,8 +133,15 @@ def _row(obs: dict[str, Any], i: int) -> tuple[dict[str, np.ndarray], np.ndarray
     return images, _host(obs["state"][i]).astype(np.float32), str(obs["task"][i])
 
 
-def record_demos(envs: Any, expert: Callable[[dict[str, Any]], Any], episodes: int, *, seed: int = 0) -> list[Episode]:
+def record_demos(
+    envs: Any, expert: Callable[[dict[str, Any]], Any], episodes: int, *, seed: int = 0, noise: float = 0.0
+) -> list[Episode]:
     """The first `episodes` episodes that `expert` (batched canonical obs -> (N, A) actions) finishes in `envs`.
+
+    ``noise > 0`` records DART demonstrations (Laskey et al., 2017): the env executes the expert's action plus
+    Gaussian noise of that std (clipped to the action space), the episode stores the expert's clean action. The
+    demos then show how the expert corrects small errors, which a cloned policy makes and a noiseless expert never
+    shows.
 
     `envs` autoresets in the same step (SAME_STEP: the final observation is ``infos["final_obs"]``, success the final
     info's ``is_success`` or ``success``) or in the next one (NEXT_STEP, as MuJoCo Warp's envs: the step that ends an
@@ -147,7 +155,11 @@ def record_demos(envs: Any, expert: Callable[[dict[str, Any]], Any], episodes: i
             f"record_demos: expected a vector env with autoreset_mode SAME_STEP or NEXT_STEP, got {mode!r}. Fix: "
             "build it with autoreset_mode=AutoresetMode.SAME_STEP (the final observation is kept)."
         )
+    if not (noise >= 0 and math.isfinite(noise)):
+        raise ValueError(f"record_demos: noise must be a finite std >= 0, got {noise!r}. Fix: pass e.g. 0.3, or 0.")
     n = envs.num_envs
+    low, high = envs.single_action_space.low, envs.single_action_space.high
+    rng = np.random.default_rng(seed)
     obs, _ = envs.reset(seed=seed)
     open_eps = [{"obs": [_row(obs, i)], "actions": [], "rewards": []} for i in range(n)]
     seeds: list[int | None] = [seed + i for i in range(n)]
@@ -155,7 +167,10 @@ def record_demos(envs: Any, expert: Callable[[dict[str, Any]], Any], episodes: i
     done_eps: list[Episode] = []
     while len(done_eps) < episodes:
         actions = np.asarray(_host(expert(obs)), np.float32)
-        obs, reward, terminated, truncated, infos = envs.step(actions)
+        executed = actions
+        if noise > 0:
+            executed = np.clip(actions + rng.normal(0.0, noise, actions.shape), low, high).astype(np.float32)
+        obs, reward, terminated, truncated, infos = envs.step(executed)
         reward, ended = _host(reward), _host(terminated) | _host(truncated)
         if mode == "SameStep":
             final_info = infos.get("final_info", {})
@@ -203,7 +218,7 @@ def panda_expert(envs: Any) -> Callable[[dict[str, Any]], Any]:
     """The MuJoCo Warp Panda tasks' scripted expert for `envs` (`wrappers.adapters.panda_tasks.scripted_action`).
 
     It reads privileged simulator state (the cube's pose, the goal) from `envs.task_state()`, not the observation;
-    the policy sees the cube only in the camera images.
+    the policy sees the cube in the camera images (and, for ``mjwarp_push_cube_state``, in the state).
     """
     from wrappers.adapters.panda_tasks import scripted_action
 
@@ -213,6 +228,7 @@ def panda_expert(envs: Any) -> Callable[[dict[str, Any]], Any]:
 EXPERTS: dict[str, Callable[[Any], Callable[[dict[str, Any]], Any]]] = {
     "target": lambda envs: target_expert,
     "mjwarp_push_cube": panda_expert,
+    "mjwarp_push_cube_state": panda_expert,
     "mjwarp_pick_cube": panda_expert,
 }
 """Scripted experts by env name (`phyai_gym.make_env` names): ``EXPERTS[name](envs)`` is the batched expert

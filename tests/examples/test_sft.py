@@ -51,3 +51,11 @@ def test_sft_on_warp_push_cube_saves_a_checkpoint_that_reads_both_cameras_and_ac
     assert loaded.action_dim == 7
     assert loaded.processor.config.camera_map == {"image": "base_0_rgb", "wrist_image": "left_wrist_0_rgb"}
     assert (loaded.rollout.action_chunk, loaded.rollout.num_steps) == (5, 3)
+
+
+def test_sft_refuses_an_unknown_lr_schedule():
+    import pytest
+
+    sft = _sft_module()
+    with pytest.raises(ValueError, match="--lr-schedule: expected 'cosine' or 'constant', got 'linear'"):
+        sft.Args(lr_schedule="linear")

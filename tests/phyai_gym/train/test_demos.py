@@ -66,3 +66,21 @@ def test_warp_push_cube_demos_record_and_read_back(tmp_path):
         np.testing.assert_array_equal(a.state, b.state)
         assert (a.task, a.success, a.length) == (b.task, b.success, b.length) == (b.task, b.success, len(b.actions))
     assert back[0].task == "push the cube to the red target"
+
+
+def test_dart_noise_perturbs_the_executed_actions_and_records_the_experts():
+    def record(**kwargs):
+        envs = make_env("target", 3, episode_length=2, num_targets=3)
+        try:
+            return record_demos(envs, target_expert, 6, seed=7, **kwargs)
+        finally:
+            envs.close()
+
+    clean, noisy = record(), record(noise=0.5)
+    for e in noisy:  # the labels are the expert's actions for the states the noisy run reached
+        np.testing.assert_array_equal(e.actions[:, 0], e.state[:-1, 0])
+    assert sum(e.rewards.sum() for e in noisy) < sum(e.rewards.sum() for e in clean)  # what ran was perturbed
+    envs = make_env("target", 1)
+    with pytest.raises(ValueError, match="noise must be a finite std"):
+        record_demos(envs, target_expert, 1, noise=-0.1)
+    envs.close()

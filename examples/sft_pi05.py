@@ -31,6 +31,7 @@ from phyai_gym.train.master_weights import MasterWeights
 from policies.base import RolloutConfig
 from policies.pi05.config import CAMERA_SLOTS
 from policies.pi05.flow_loss import flow_matching_loss, sample_time
+from policies.pi05.normalize import NormStats
 from wrappers import PolicyVectorEnv
 
 
@@ -71,6 +72,9 @@ class Args:
     """record this many episodes with the env's scripted expert into --demos first (0: read --demos as it is)"""
     record_envs: int = 16
     """parallel envs while recording (and in the final evaluation)"""
+    norm_stats: bool = True
+    """a new policy normalises state and actions with the demos' statistics (quantile mode: q01..q99 -> [-1, 1]),
+    as openpi computes them before training; without them the state's 256 prompt bins span [-1, 1] in raw units"""
     demo_noise: float = 0.0
     """recording: std of Gaussian noise added to the executed expert actions, the demos keeping the clean ones
     (DART): the demos then show corrections of the small errors a cloned policy makes"""
@@ -154,6 +158,9 @@ def train(args: Args) -> dict:
     if args.checkpoint is None:
         kwargs["prompt_format"] = "state"  # the state enters the prompt as bins, as in examples/ppo_pi05.py
         kwargs["rollout"] = RolloutConfig(num_steps=args.denoise_steps, action_chunk=args.action_chunk)
+        if args.norm_stats:
+            kwargs["state_stats"] = NormStats.of(np.concatenate([e.state for e in episodes]))
+            kwargs["action_stats"] = NormStats.of(np.concatenate([e.actions for e in episodes]))
         if "cameras" in args.env_kwargs:  # the rendered cameras fill the model's slots in order (wrist: a wrist slot)
             kwargs["camera_map"] = dict(zip(args.env_kwargs["cameras"], CAMERA_SLOTS))
     policy = make_policy(args.checkpoint, **kwargs)

@@ -255,6 +255,8 @@ def make_policy(
         warmup: shapes to capture while building instead: (batch_size, prompt_length) pairs, or "all"
             (`SchedulerConfig.warmup`).
         **processor_kwargs: `ProcessorConfig` overrides of a random policy (e.g. ``prompt_format="state"``).
+            Without a preset the policy does not normalise (``norm_mode="identity"``), unless ``state_stats`` or
+            ``action_stats`` are given: then openpi's PI0.5 mode, ``"quantile"``, applies them.
 
     Example:
         >>> policy = make_policy(action_dim=1)
@@ -287,8 +289,9 @@ def make_policy(
     if rollout is None:
         rollout = RolloutConfig(num_steps=config.num_steps, action_chunk=min(5, config.action_horizon))
     processor_kwargs.setdefault("camera_map", camera_map or {"image": "base_0_rgb"})
-    if preset is None:
-        processor_kwargs.setdefault("norm_mode", "identity")
+    if preset is None:  # statistics without a mode: openpi's PI0.5 mode (quantile) applies them
+        given = any(processor_kwargs.get(k) is not None for k in ("state_stats", "action_stats"))
+        processor_kwargs.setdefault("norm_mode", "quantile" if given else "identity")
     from policies.pi05.processor import Pi05Processor
 
     processor = Pi05Processor.for_config(

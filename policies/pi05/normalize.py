@@ -148,6 +148,21 @@ class NormStats:
         names = {f.name for f in fields(cls)}
         return cls(**{k: v for k, v in data.items() if k in names})
 
+    @classmethod
+    def of(cls, values: Any) -> NormStats:
+        """Every statistic of a dataset's vectors `values` (rows x dims), as openpi's compute_norm_stats gives them.
+
+        Example:
+            >>> NormStats.of(np.arange(101.0)[:, None]).q99.tolist()
+            [99.0]
+        """
+        x = np.asarray(values, dtype=np.float64)
+        if x.ndim != 2 or x.shape[0] == 0:
+            raise ValueError(bad_input("NormStats.of: values", "a (rows, dims) array with rows", f"shape {x.shape}",
+                                       raw=True))  # fmt: skip
+        q = np.quantile(x, [0.01, 0.10, 0.90, 0.99], axis=0)
+        return cls(mean=x.mean(0), std=x.std(0), q01=q[0], q99=q[3], min=x.min(0), max=x.max(0), q10=q[1], q90=q[2])
+
 
 
 

@@ -6,7 +6,11 @@ import importlib.util
 import sys
 from pathlib import Path
 
+import numpy as np
+
 from phyai_gym.make import make_policy
+from phyai_gym.train.demos import read_demos
+from policies.pi05.normalize import NormStats
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -21,18 +25,22 @@ def _sft_module():
 
 def test_sft_loss_falls_on_scripted_demos_and_the_checkpoint_loads(tmp_path):
     sft = _sft_module()
-    args = sft.Args(record_episodes=16, record_envs=8, demos=str(tmp_path / "demos.h5"), steps=30, batch_size=16,
-                    log_every=10, csv=str(tmp_path / "sft.csv"), out=str(tmp_path / "out"), eval_episodes=0,
+    args = sft.Args(record_episodes=16, record_envs=8, demos=str(tmp_path / "demos.h5"), steps=60, batch_size=16,
+                    log_every=20, csv=str(tmp_path / "sft.csv"), out=str(tmp_path / "out"), eval_episodes=0,
                     quiet=True)  # fmt: skip
     result = sft.train(args)
     curve = result["curve"]
-    assert [row["step"] for row in curve] == [10, 20, 30]
-    # the same batch, noise and times before and after 30 steps: the loss has fallen by more than 30 %
+    assert [row["step"] for row in curve] == [20, 40, 60]
+    # the same batch, noise and times before and after 60 steps: the loss has fallen by more than 30 %
     assert curve[-1]["fixed_batch_loss"] < 0.7 * result["fixed_loss_start"], (result["fixed_loss_start"], curve)
     assert curve[-1]["loss"] < curve[0]["loss"]
     assert (tmp_path / "demos.h5").is_file() and (tmp_path / "demos.json").is_file()
     loaded = make_policy(tmp_path / "out")
     assert loaded.action_dim == 1
+    demos = read_demos(tmp_path / "demos.h5")  # the checkpoint normalises with the demos' statistics (openpi's rule)
+    assert loaded.processor.config.state_stats == NormStats.of(np.concatenate([e.state for e in demos]))
+    assert loaded.processor.config.action_stats == NormStats.of(np.concatenate([e.actions for e in demos]))
+    assert loaded.processor.config.norm_mode == "quantile" and loaded.processor.action_normalizer.width == 1
 
 
 def test_sft_on_warp_push_cube_saves_a_checkpoint_that_reads_both_cameras_and_acts_in_chunks(tmp_path):

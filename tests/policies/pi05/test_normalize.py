@@ -137,3 +137,14 @@ def test_lerobot_files(tmp_path):
     np.testing.assert_allclose(stats["state"].q99, STATS.q99)
     assert stats["actions"].width == 3 and stats["actions"].mean is None
     assert load_norm_stats(tmp_path / "nothing_here_does_not_exist") == {}
+
+
+def test_stats_of_a_dataset_map_its_1st_to_99th_percentile_onto_minus_one_to_one():
+    x = np.random.default_rng(0).normal(3.0, 2.0, size=(1000, 2))
+    stats = NormStats.of(x)
+    np.testing.assert_allclose(stats.mean, x.mean(0))
+    np.testing.assert_allclose(stats.q99, np.quantile(x, 0.99, axis=0))
+    y = Normalizer(stats, "quantile", "phyai").normalize(torch.as_tensor(x, dtype=torch.float32))
+    assert ((y >= -1) & (y <= 1)).float().mean() == pytest.approx(0.98, abs=0.005)
+    with pytest.raises(ValueError, match=r"NormStats.of: values: expected a \(rows, dims\) array"):
+        NormStats.of(np.zeros(5))

@@ -33,11 +33,21 @@ GPU = "needs a CUDA GPU"
 CHECKPOINT = "needs a PI0.5 checkpoint (DIR) and LIBERO"
 SUITE = "runs the whole test suite (about 30 min on 2 cores); this test is part of it"
 PPO_RUN = "a PPO run of minutes; tests/examples/test_ppo_checkpoint.py runs the same flags for fewer iterations"
+SFT_RUN = ("SFT of about 10 min on a CPU core (and its checkpoint); tests/examples/test_sft.py runs the script, "
+           "benchmarks/real_task_rl.py the sequence")
 SKIPPED = {
-    "python examples/sft_pi05.py --help": "runs from the repository root; tests/examples/test_sft.py runs the script",
-    "python examples/ppo_pi05.py --run-dir runs/ppo --save-every 5": PPO_RUN,
-    "python examples/ppo_pi05.py --resume runs/ppo --total-iterations 40": PPO_RUN,
-    "phyai-gym eval --env target --checkpoint runs/ppo --episodes 64 --out runs/ppo/eval": PPO_RUN,
+    "python examples/sft_pi05.py --env mjwarp_push_cube_state --record-episodes 64 --demos demos/push.h5 "
+    "--image-size 64 --cameras image --trainable all --steps 1500 --action-chunk 5 --out sft_push --eval-episodes 0":
+        SFT_RUN,
+    "phyai-gym eval --env mjwarp_push_cube_state --checkpoint sft_push --episodes 48 --num-envs 16 --image-size 64 "
+    "--action-chunk 5 --out runs/eval_sft": SFT_RUN,
+    "python examples/ppo_pi05.py --env mjwarp_push_cube_state --checkpoint sft_push --run-dir runs/push "
+    "--image-size 64 --cameras image --action-chunk 5 --num-envs 32 --num-steps 10 --total-iterations 12 "
+    "--learning-rate 3e-4 --value-lr 3e-3 --noise-level 0.5 --reward-mode sparse --save-every 4 --eval-episodes 0":
+        PPO_RUN,
+    "python examples/ppo_pi05.py --resume runs/push --total-iterations 24": PPO_RUN,
+    "phyai-gym eval --env mjwarp_push_cube_state --checkpoint runs/push --episodes 48 --num-envs 16 --image-size 64 "
+    "--action-chunk 5 --out runs/eval_ppo": PPO_RUN,
     'pip install torch==2.13.0 && pip install -e ".[sim]" && phyai-gym run': f"{NETWORK}; `phyai-gym run` runs here",
     'pip install torch==2.13.0 && pip install -e ".[test,sim,warp]" && bash .ci/install_sims.sh && '
     ". ~/.cache/phyai-gym/sim_env.sh && python3 -m pytest -q": f"{NETWORK}; then {SUITE}",

@@ -2,16 +2,17 @@
 
 Per seed, the whole user sequence, each step the command a user runs (in this process):
 
-1. ``examples/sft_pi05.py --env mjwarp_push_cube --record-episodes N``: the scripted expert (privileged cube pose)
-   records N demos, the tiny PI0.5 is behaviour-cloned on them;
+1. ``examples/sft_pi05.py --env mjwarp_push_cube_state --record-episodes N``: the scripted expert (privileged cube
+   pose) records N demos, the tiny PI0.5 is behaviour-cloned on them (with their statistics);
 2. ``phyai-gym eval --checkpoint SFT --episodes K`` (deterministic): success with its Wilson 95 % interval;
-3. ``examples/ppo_pi05.py --checkpoint SFT --run-dir RUN``: PPO from the SFT policy (its curve and plot in RUN);
+3. ``examples/ppo_pi05.py --checkpoint SFT --run-dir RUN``: PPO from the SFT policy on the sparse success reward
+   (its curve and plot in RUN);
 4. ``phyai-gym eval --checkpoint RUN/checkpoints/last/pretrained_model``: success after PPO.
 
 One row per seed and a pooled row (all seeds' episodes) go to ``results/real_task_rl.jsonl``; each seed's PPO curve
 is plotted with `phyai_gym.train.curves.plot_curves` into ``plots/real_task_rl_seed<k>.png``.
 
-    python -m benchmarks.real_task_rl                       # 3 seeds, tiny config, push-cube, 64 px (CPU)
+    python -m benchmarks.real_task_rl       # 3 seeds, tiny config, push-cube + state, 64 px (~20 min a seed here)
     python -m benchmarks.real_task_rl --seeds 1 --ppo-iterations 5 --eval-episodes 16   # a quick look
 """
 
@@ -41,7 +42,7 @@ PLOTS = Path(__file__).resolve().parent / "plots"
 class Args:
     """SFT then PPO on a MuJoCo Warp Panda task, success measured by phyai-gym eval before and after."""
 
-    env: str = "mjwarp_push_cube"
+    env: str = "mjwarp_push_cube_state"
     """the task (a make_env name with a scripted expert in phyai_gym.train.demos.EXPERTS)"""
     seeds: int = 3
     """number of seeds (each: its own demos, SFT weights, PPO run and eval episodes)"""
@@ -51,7 +52,7 @@ class Args:
     """expert episodes recorded for SFT"""
     demo_noise: float = 0.0
     """DART noise std on the executed expert actions while recording (the demos keep the clean actions)"""
-    sft_steps: int = 400
+    sft_steps: int = 1500
     """SFT optimizer steps (batch 32)"""
     sft_trainable: str = "all"
     """what SFT trains: "all" (the random tiny vision tower and LM too: they must learn to see the cube) or
@@ -67,17 +68,17 @@ class Args:
     """K, Euler denoise steps"""
     ppo_iterations: int = 12
     """PPO iterations"""
-    num_envs: int = 16
+    num_envs: int = 32
     """PPO's parallel envs"""
     num_steps: int = 10
     """PPO's chunks per env per rollout (10 x C = 50: one episode)"""
-    learning_rate: float = 3e-3
+    learning_rate: float = 3e-4
     """PPO actor learning rate (tiny sizes; a checkpoint defaults to base-sized rates)"""
     value_lr: float = 3e-3
     """PPO value-head learning rate"""
-    noise_level: float = 1.0
+    noise_level: float = 0.5
     """PPO's flow-SDE noise level (exploration)"""
-    reward_mode: str = "normalized_dense"
+    reward_mode: str = "sparse"
     """the env's reward in PPO: "sparse" (1 at success) or "normalized_dense" (make_env's default)"""
     eval_episodes: int = 48
     """episodes of each phyai-gym eval (deterministic)"""

@@ -304,7 +304,8 @@ def scripted_action(task: PandaTask, s: TaskState) -> torch.Tensor:
     """(N, 7) actions of a stateless scripted expert that reads privileged state (the cube's pose).
 
     Pick: above the cube with the fingers open and aligned, down, close, carry to the goal. Push: behind the cube,
-    down to the table, along +x to the goal. Used for demonstrations and the adapter's tests.
+    down to the table, along +x to the goal, each phase blended into the next by ramps. Used for demonstrations and
+    the adapter's tests.
     """
     n, device = s.tcp_pos.shape[0], s.tcp_pos.device
     above = s.cube_pos + torch.tensor([0.0, 0.0, 0.08], device=device)
@@ -325,18 +326,22 @@ def scripted_action(task: PandaTask, s: TaskState) -> torch.Tensor:
         target = torch.where(holding[:, None], s.goal, target)
         grip = torch.where(at_cube | holding, -1.0, grip)
         yaw = torch.where(holding | low, 0.0, yaw_error)
-    else:  # behind the cube (robot side), down to the table, then along +x through it to the goal
+    else:  # to the point behind the cube (robot side), lower as it gets near, then along +x through it to the goal
+        # every switch is a ramp, not a threshold, so the actions are a continuous function of the state that a
+        # small cloned policy can fit: it cannot tell 1 cm on either side of a threshold apart
         behind = s.cube_pos - torch.tensor([CUBE_HALF + 0.03, 0.0, 0.0], device=device)
-        placed = torch.linalg.norm(behind[:, :2] - s.tcp_pos[:, :2], dim=-1) < 0.015
-        pushing = (s.tcp_pos[:, 0] > behind[:, 0] - 0.01) & (s.tcp_pos[:, 2] < CUBE_HALF + 0.02)
-        pushing &= (s.tcp_pos[:, 1] - s.cube_pos[:, 1]).abs() < 0.02
-        push_to = torch.stack([s.goal[:, 0] - CUBE_HALF - 0.02, s.cube_pos[:, 1], s.cube_pos[:, 2]], dim=-1)
-        high = behind + torch.tensor([0.0, 0.0, 0.08], device=device)
-        target = torch.where(placed[:, None], behind, high)
-        target = torch.where(pushing[:, None], push_to, target)
+        lateral = torch.linalg.norm(behind[:, :2] - s.tcp_pos[:, :2], dim=-1)
+        lift = 0.08 * torch.clamp(lateral / 0.04, 0, 1)  # 8 cm above the table when 4 cm or more from it
+        aligned = torch.clamp(1 - (s.tcp_pos[:, 1] - s.cube_pos[:, 1]).abs() / 0.02, 0, 1)
+        low = torch.clamp(1 - (s.tcp_pos[:, 2] - behind[:, 2]) / 0.03, 0, 1)
+        at_back = torch.clamp(1 - (behind[:, 0] - s.tcp_pos[:, 0]) / 0.02, 0, 1)
+        drive = aligned * low * at_back  # 1: push
+        push_x = s.goal[:, 0] - CUBE_HALF - 0.02
+        target = torch.stack([behind[:, 0] + drive * (push_x - behind[:, 0]), s.cube_pos[:, 1],
+                              behind[:, 2] + lift * (1 - drive)], dim=-1)  # fmt: skip
         grip = -grip
         yaw = torch.zeros(n, device=device)
-        limit = torch.where(pushing, PUSH_SPEED, 1.0)[:, None]  # a gentle push: the cube slides, it is not hit
+        limit = (1 - drive * (1 - PUSH_SPEED))[:, None]  # a gentle push: the cube slides, it is not hit
         move = torch.clamp(EXPERT_GAIN * (target - s.tcp_pos) / POS_SCALE, -1, 1) * limit
         rot = torch.clamp(EXPERT_GAIN * _pointing_down_error(s, yaw) / ROT_SCALE, -1, 1)
         return torch.cat([move, rot, grip[:, None]], dim=-1)

@@ -8,7 +8,7 @@ locally built stand-in tokenizer, sampling with its rollout method (``sde``), so
 rollout runs. Resident memory (psutil, else ``VmRSS`` from /proc/self/status) is read after step 1,000
 (warm-up done: allocator pools and caches filled) and after the last step; the growth must be <= 50 MB.
 
-    python -m benchmarks.soak_cpu                      # 10,000 steps, appends to benchmarks/results/soak_cpu.jsonl
+    python -m benchmarks.soak_cpu                      # 10,000 steps, appends to benchmarks/results/soak.jsonl
     python -m benchmarks.soak_cpu --steps 2000 --checkpoint 500 --out /tmp/soak
 
 Exit status 1 when the growth exceeds the limit (the row is written either way).
@@ -31,7 +31,7 @@ from policies.pi05.tokenizer import build_standin_tokenizer
 from wrappers import PolicyVectorEnv
 from wrappers.adapters.scripted import make_scripted_env
 
-BENCH = "soak_cpu"
+BENCH = "soak"
 LIMIT_MB = 50.0
 
 
@@ -75,6 +75,7 @@ def soak(steps: int = 10_000, num_envs: int = 2, action_chunk: int = 5, checkpoi
     seconds = time.perf_counter() - start
     growth = rss[steps] - rss[checkpoint]
     return {
+        "kind": "cpu",
         "step_definition": "one PolicyVectorEnv.step(None) call = 1 policy.act + action_chunk sub-steps per env",
         "steps": steps,
         "num_envs": num_envs,
@@ -98,7 +99,7 @@ def main() -> int:
     parser.add_argument("--num-envs", type=int, default=2)
     parser.add_argument("--action-chunk", type=int, default=5)
     parser.add_argument("--checkpoint", type=int, default=1_000, help="step after which the baseline RSS is read")
-    parser.add_argument("--out", type=Path, default=None, help="folder for soak_cpu.jsonl (default: results/)")
+    parser.add_argument("--out", type=Path, default=None, help="folder for soak.jsonl (default: results/)")
     args = parser.parse_args()
     if not 1 <= args.checkpoint < args.steps:
         parser.error(f"--checkpoint: expected 1 <= checkpoint < steps ({args.steps}), got {args.checkpoint}")

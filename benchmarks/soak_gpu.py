@@ -10,7 +10,7 @@ Checks: ``torch.cuda.memory_allocated()`` after warm-up and every 500 steps neve
 (+1 MiB tolerance), and ``scheduler.stats.captures`` is the same before and after the soak (nothing is
 captured on the hot path).
 
-    python -m benchmarks.soak_gpu [--out DIR]                 # on a GPU, ~2 minutes; row -> soak_gpu.jsonl
+    python -m benchmarks.soak_gpu [--out DIR]                 # on a GPU, ~2 minutes; row -> soak.jsonl
     python -m benchmarks.soak_gpu --dry-run --out /tmp/soak   # CPU smoke test: tiny, 50 steps, batch 2
 
 `run(out)` is the `soak` section of `benchmarks/gpu_suite.py`; it returns the row.
@@ -34,7 +34,7 @@ from policies.pi05.model import Pi05Model, torch_dtype
 from policies.pi05.policy import Pi05Policy, RolloutConfig
 from policies.pi05.scheduler import SchedulerConfig
 
-BENCH = "soak_gpu"
+BENCH = "soak"
 
 SETTING = dict(cams=(0, 1), prompt=48, num_steps=5, horizon=10, chunk=5, batch=1)
 """The LIBERO RL setting of DESIGN C8."""
@@ -74,7 +74,7 @@ def _memory(device: torch.device) -> int:
 
 def run(out_path: str | Path | None, steps: int = 5_000, every: int = 500, warmup: int = 20,
         dry_run: bool = False, batch: int | None = None) -> dict[str, Any]:
-    """Runs the soak (batch default: 1); appends its row to ``soak_gpu.jsonl`` under `out_path` (None: results/)."""
+    """Runs the soak (batch default: 1); appends its row to ``soak.jsonl`` under `out_path` (None: results/)."""
     if not dry_run and not torch.cuda.is_available():
         raise RuntimeError("soak_gpu: needs a CUDA GPU (use --dry-run for the CPU smoke test)")
     start = time.perf_counter()
@@ -103,6 +103,7 @@ def run(out_path: str | Path | None, steps: int = 5_000, every: int = 500, warmu
     captures_after = policy.scheduler.stats.captures
     peak = max(x["bytes"] for x in samples)
     row = {
+        "kind": "gpu",
         "dry_run": dry_run,
         "config": "tiny (CPU dry run)" if dry_run else "pi05_base",
         "dtype": policy.config.dtype,
@@ -133,7 +134,7 @@ def run(out_path: str | Path | None, steps: int = 5_000, every: int = 500, warmu
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--out", type=Path, default=None,
-                        help="folder for soak_gpu.jsonl (default: results/, a temporary folder with --dry-run)")
+                        help="folder for soak.jsonl (default: results/, a temporary folder with --dry-run)")
     parser.add_argument("--steps", type=int, default=None, help="default 5000 (50 with --dry-run)")
     parser.add_argument("--every", type=int, default=None, help="memory sample period (default 500; 10 dry)")
     parser.add_argument("--dry-run", action="store_true", help="tiny config on CPU (smoke test of this script)")

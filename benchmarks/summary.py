@@ -107,8 +107,8 @@ TABLES: dict[str, Table] = {
         ("config", "bucket_bytes", "high_priority"),
         ("broadcast_weights_p50_ms", "raw_broadcast_p50_ms", "ratio_to_raw"),
     ),
-    "soak_cpu": Table(("steps", "num_envs"), ("growth_mb", "limit_mb", "ms_per_step", "passed")),
-    "soak_gpu": Table(
+    "soak.cpu": Table(("steps", "num_envs"), ("growth_mb", "limit_mb", "ms_per_step", "passed")),
+    "soak.gpu": Table(
         ("config", "batch"), ("memory_growth_bytes", "captures_before", "captures_after", "ms_per_step", "passed")
     ),
     "lerobot_baseline": Table(("case", "batch"), ("p50_ms", "samples_per_s", "peak_mem_gib", "error")),

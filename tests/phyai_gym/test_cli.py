@@ -155,9 +155,12 @@ def test_run_ctrl_c_in_a_terminal_prints_no_traceback():
     import signal
     import time
 
+    # as in a terminal: a suite started in the background of a non-interactive shell ignores SIGINT, and a child
+    # inherits that (Python then keeps ignoring it), so the child gets the default disposition back
     proc = subprocess.Popen(
         [sys.executable, "-m", "phyai_gym.cli", "run", "--env", "scripted", "--num-envs", "2", "--chunks", "100000"],
         cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+        preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL),
     )  # fmt: skip
     try:
         line = ""

@@ -143,8 +143,9 @@ def run(args: argparse.Namespace) -> list[dict[str, Any]]:
     """One `PolicyVectorEnv` per W; rows for both render modes."""
     os.environ.setdefault("MUJOCO_GL", "egl")
     from phyai_gym import make_env
+    from phyai_gym.make import resolve_env
 
-    libero = args.env.startswith("libero_")
+    libero = resolve_env(args.env).kind == "libero"
     bench = "cpu_sim_env_only" if args.mode == "env_only" else "libero_gpu_rollout" if libero else "cpu_sim_loop"
     rows = []
     for workers in args.workers:

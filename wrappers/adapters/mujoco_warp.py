@@ -102,7 +102,7 @@ class MujocoWarpVectorEnv(VectorEnv):
         nconmax: int = 48,
         njmax: int = 192,
     ) -> None:
-        self.task = self._check_args(task, num_envs, image_size, cameras, device, max_episode_steps)
+        self.task = self._check_args(task, num_envs, image_size, cameras, device, max_episode_steps, reward_mode)
         wp, mjw = _import_warp()
         self._wp, self._mjw = wp, mjw
         self.device = torch.device(device if device is not None else ("cuda" if torch.cuda.is_available() else "cpu"))
@@ -113,11 +113,6 @@ class MujocoWarpVectorEnv(VectorEnv):
         self.cameras = tuple(cameras)
         self.image_size = int(image_size)
         self.max_episode_steps = int(max_episode_steps or self.task.max_episode_steps)
-        if reward_mode not in REWARD_MODES:
-            raise ValueError(
-                f"make_mujoco_warp_env: reward_mode must be one of {list(REWARD_MODES)}, got {reward_mode!r}. "
-                "Fix: reward_mode='sparse' (1 at success) or 'normalized_dense'."
-            )
         self.reward_mode = reward_mode
         started = time.perf_counter()
         self.mj_model = pt.build_model(self.task, self.image_size)
@@ -152,7 +147,9 @@ class MujocoWarpVectorEnv(VectorEnv):
 
     # ------------------------------------------------------------------------------------------ set-up
     @staticmethod
-    def _check_args(task: Any, num_envs: Any, image_size: Any, cameras: Any, device: Any, limit: Any) -> pt.PandaTask:
+    def _check_args(
+        task: Any, num_envs: Any, image_size: Any, cameras: Any, device: Any, limit: Any, reward_mode: Any
+    ) -> pt.PandaTask:
         if task not in pt.TASKS:
             raise ValueError(
                 f"make_mujoco_warp_env: task must be one of {sorted(pt.TASKS)}, got {task!r}. "
@@ -167,6 +164,11 @@ class MujocoWarpVectorEnv(VectorEnv):
             raise ValueError(
                 f"make_mujoco_warp_env: cameras must be a non-empty sequence of {list(CAMERAS)}, got {cameras!r}. "
                 f"Fix: cameras=('image', 'wrist_image') or ('image',)."
+            )
+        if reward_mode not in REWARD_MODES:
+            raise ValueError(
+                f"make_mujoco_warp_env: reward_mode must be one of {list(REWARD_MODES)}, got {reward_mode!r}. "
+                "Fix: reward_mode='sparse' (1 at success) or 'normalized_dense'."
             )
         if device is not None and torch.device(device).type == "cuda" and not torch.cuda.is_available():
             raise ValueError(

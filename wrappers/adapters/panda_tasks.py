@@ -308,10 +308,10 @@ def scripted_action(task: PandaTask, s: TaskState) -> torch.Tensor:
     the adapter's tests.
     """
     n, device = s.tcp_pos.shape[0], s.tcp_pos.device
-    above = s.cube_pos + torch.tensor([0.0, 0.0, 0.08], device=device)
-    xy_off = torch.linalg.norm(s.tcp_pos[:, :2] - s.cube_pos[:, :2], dim=-1)
     grip = torch.ones(n, device=device)
     if task.goal_in_state:
+        above = s.cube_pos + torch.tensor([0.0, 0.0, 0.08], device=device)
+        xy_off = torch.linalg.norm(s.tcp_pos[:, :2] - s.cube_pos[:, :2], dim=-1)
         yaw_error = _yaw_error(s)
         at_cube = torch.linalg.norm(s.tcp_pos - s.cube_pos, dim=-1) < 0.012
         near = torch.linalg.norm(s.tcp_pos - s.cube_pos, dim=-1) < 0.03
@@ -326,6 +326,7 @@ def scripted_action(task: PandaTask, s: TaskState) -> torch.Tensor:
         target = torch.where(holding[:, None], s.goal, target)
         grip = torch.where(at_cube | holding, -1.0, grip)
         yaw = torch.where(holding | low, 0.0, yaw_error)
+        speed = 1.0
     else:  # to the point behind the cube (robot side), lower as it gets near, then along +x through it to the goal
         # every switch is a ramp, not a threshold, so the actions are a continuous function of the state that a
         # small cloned policy can fit: it cannot tell 1 cm on either side of a threshold apart
@@ -341,11 +342,8 @@ def scripted_action(task: PandaTask, s: TaskState) -> torch.Tensor:
                               behind[:, 2] + lift * (1 - drive)], dim=-1)  # fmt: skip
         grip = -grip
         yaw = torch.zeros(n, device=device)
-        limit = (1 - drive * (1 - PUSH_SPEED))[:, None]  # a gentle push: the cube slides, it is not hit
-        move = torch.clamp(EXPERT_GAIN * (target - s.tcp_pos) / POS_SCALE, -1, 1) * limit
-        rot = torch.clamp(EXPERT_GAIN * _pointing_down_error(s, yaw) / ROT_SCALE, -1, 1)
-        return torch.cat([move, rot, grip[:, None]], dim=-1)
-    move = torch.clamp(EXPERT_GAIN * (target - s.tcp_pos) / POS_SCALE, -1, 1)
+        speed = (1 - drive * (1 - PUSH_SPEED))[:, None]  # a gentle push: the cube slides, it is not hit
+    move = torch.clamp(EXPERT_GAIN * (target - s.tcp_pos) / POS_SCALE, -1, 1) * speed
     rot = torch.clamp(EXPERT_GAIN * _pointing_down_error(s, yaw) / ROT_SCALE, -1, 1)
     return torch.cat([move, rot, grip[:, None]], dim=-1)
 

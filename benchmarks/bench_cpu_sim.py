@@ -23,6 +23,8 @@ MuJoCo and LIBERO render through ``MUJOCO_GL`` (egl by default; osmesa for softw
     MUJOCO_GL=egl python -m benchmarks.bench_cpu_sim --workers 1 4 16
     MUJOCO_GL=egl python -m benchmarks.bench_cpu_sim --env libero_spatial --workers 1 4 16
     MUJOCO_GL=osmesa python -m benchmarks.bench_cpu_sim --workers 1 4 16 --out DIR
+    MUJOCO_GL=osmesa python -m benchmarks.bench_cpu_sim --mode cpu_sim_loop --config base --device cuda \
+        --workers 64 --groups 2 --shadow-size 1024
     MUJOCO_GL=egl python -m benchmarks.bench_cpu_sim --mode cpu_sim_loop --config base --device cuda --workers 16 64
     MUJOCO_GL=egl python -m benchmarks.bench_cpu_sim --mode cpu_sim_loop --env libero_spatial --config base \
         --device cuda --workers 16 40 --groups 2
@@ -151,7 +153,10 @@ def run(args: argparse.Namespace) -> list[dict[str, Any]]:
     for workers in args.workers:
         g = args.groups
         sizes = [workers // g + (i < workers % g) for i in range(g)]
-        groups = [make_env(args.env, n, vectorization=args.vectorization, image_size=args.image_size) for n in sizes]
+        extra = {} if args.shadow_size is None else {"shadow_size": args.shadow_size}
+        groups = [
+            make_env(args.env, n, vectorization=args.vectorization, image_size=args.image_size, **extra) for n in sizes
+        ]
         try:
             policy = make_policy_for(args, groups[0], workers)
             envs = PolicyVectorEnv(groups, policy, action_chunk=args.chunk, groups=g, prefetch=g > 1)
@@ -170,6 +175,7 @@ def run(args: argparse.Namespace) -> list[dict[str, Any]]:
                 "render": render,
                 "image_size": args.image_size, "chunk": args.chunk, **result,
                 "on_demand_speedup": speedup, "mujoco_gl": os.environ["MUJOCO_GL"], "cpu": cpu_name(),
+                "shadow_size": args.shadow_size, "lp_num_threads": os.environ.get("LP_NUM_THREADS"),
                 "chunks": args.chunks, "rounds": args.rounds,
             }  # fmt: skip
             if args.mode == "cpu_sim_loop":
@@ -189,6 +195,8 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--image-size", type=int, default=224)
     parser.add_argument("--groups", type=int, default=1,
                         help="env groups the policy alternates between (prefetch when > 1)")  # fmt: skip
+    parser.add_argument("--shadow-size", type=int, default=None,
+                        help="MuJoCo: shadow map side (default: the model's; 1024: cheap software GL)")  # fmt: skip
     parser.add_argument("--chunk", type=int, default=5, help="C, env steps per policy call")
     parser.add_argument("--chunks", type=int, default=8, help="policy steps per render mode per round")
     parser.add_argument("--rounds", type=int, default=3, help="interleaved rounds (every_step, on_demand)")

@@ -234,6 +234,7 @@ MUJOCO: list[Case] = [
     ("unknown_name", _mujoco(name="Pushr-v5"), ValueError, ("name", "Pusher-v5", "'Pushr-v5'")),
     ("num_envs", _mujoco(num_envs=0), ValueError, ("num_envs", ">= 1", "got 0")),
     ("image_size", _mujoco(image_size=-8), ValueError, ("image_size", ">= 1", "got -8")),
+    ("shadow_size", _mujoco(shadow_size=-1), ValueError, ("shadow_size", ">= 0", "got -1", "Fix")),
     ("vectorization", _mujoco(num_envs=1, vectorization="threads"), ValueError,
      ("vectorization", "'sync' or 'async'", "'threads'")),
     ("render_mode", _mujoco_render_mode, ValueError, ("render_mode", "'rgb_array'", "None")),

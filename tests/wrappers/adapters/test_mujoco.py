@@ -33,6 +33,21 @@ def test_pusher_canonical_observation_and_determinism():
 
 
 @pytest.mark.slow
+def test_shadow_size_sets_the_shadow_map_before_the_first_render():
+    """A smaller shadow map renders nearly the same frame (the context reads it once, at the first render)."""
+    default = make_mujoco_env("Pusher-v5", num_envs=1, image_size=64)
+    small = make_mujoco_env("Pusher-v5", num_envs=1, image_size=64, shadow_size=1024)
+    try:
+        assert small.envs[0].unwrapped.model.vis.quality.shadowsize == 1024
+        assert default.envs[0].unwrapped.model.vis.quality.shadowsize == 4096
+        a = default.reset(seed=0)[0]["images"]["image"].astype(int)
+        b = small.reset(seed=0)[0]["images"]["image"].astype(int)
+        assert a.shape == b.shape and (np.abs(a - b) > 8).mean() < 0.01
+    finally:
+        default.close()
+        small.close()
+
+
 def test_pusher_through_policy_vector_env_with_truncation():
     env = make_mujoco_env("Pusher-v5", num_envs=2, image_size=32, max_episode_steps=5)
     wrapper = PolicyVectorEnv(env, GaussianPolicy(7, action_horizon=4, std=0.1), action_chunk=4)

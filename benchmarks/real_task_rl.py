@@ -80,6 +80,8 @@ class Args:
     """PPO's flow-SDE noise level (exploration)"""
     reward_mode: str = "sparse"
     """the env's reward in PPO: "sparse" (1 at success) or "normalized_dense" (make_env's default)"""
+    device: str = "cpu"
+    """the policy's device (SFT, PPO, eval); MuJoCo Warp simulates on CUDA whenever torch sees a GPU"""
     eval_episodes: int = 48
     """episodes of each phyai-gym eval (deterministic)"""
     eval_envs: int = 16
@@ -111,8 +113,8 @@ def _example(name: str, argv: list[str]) -> None:
 def evaluate(args: Args, checkpoint: Path, out: Path, seed: int) -> tuple[int, int]:
     """(successes, episodes) of ``phyai-gym eval`` on `checkpoint` (deterministic, seeds from `seed`)."""
     code = cli.main(["eval", "--env", args.env, "--checkpoint", str(checkpoint), "--episodes", str(args.eval_episodes),
-                     "--num-envs", str(args.eval_envs), "--image-size", str(args.image_size), "--action-chunk",
-                     str(args.action_chunk), "--seed", str(seed), "--out", str(out)])  # fmt: skip
+                     "--num-envs", str(args.eval_envs), "--device", args.device, "--image-size", str(args.image_size),
+                     "--action-chunk", str(args.action_chunk), "--seed", str(seed), "--out", str(out)])  # fmt: skip
     if code != 0:
         raise RuntimeError(f"phyai-gym eval of {checkpoint} exited with {code}")
     _, rows = read_jsonl(out / EPISODES_FILE)
@@ -124,7 +126,8 @@ def one_seed(args: Args, seed: int, work: Path) -> dict:
     work.mkdir(parents=True, exist_ok=True)
     sft, run = work / "sft", work / "ppo"
     started = time.perf_counter()
-    _example("sft_pi05.py", ["--env", args.env, "--seed", str(seed), "--record-episodes", str(args.demos),
+    _example("sft_pi05.py", ["--env", args.env, "--seed", str(seed), "--device", args.device,
+                             "--record-episodes", str(args.demos),
                              "--demos", str(work / "demos.h5"), "--steps", str(args.sft_steps), "--image-size",
                              str(args.image_size), "--cameras", args.cameras, "--action-chunk", str(args.action_chunk),
                              "--denoise-steps", str(args.denoise_steps), "--trainable", args.sft_trainable,
@@ -135,7 +138,8 @@ def one_seed(args: Args, seed: int, work: Path) -> dict:
     eval_seed = 10_000 * seed  # the same episodes before and after PPO, apart from the demos' and PPO's seeds
     sft_k, sft_n = evaluate(args, sft, work / "eval_sft", eval_seed)
     started = time.perf_counter()
-    _example("ppo_pi05.py", ["--env", args.env, "--seed", str(seed), "--checkpoint", str(sft), "--run-dir", str(run),
+    _example("ppo_pi05.py", ["--env", args.env, "--seed", str(seed), "--device", args.device,
+                             "--checkpoint", str(sft), "--run-dir", str(run),
                              "--image-size", str(args.image_size), "--cameras", args.cameras, "--action-chunk",
                              str(args.action_chunk), "--denoise-steps", str(args.denoise_steps), "--num-envs",
                              str(args.num_envs), "--num-steps", str(args.num_steps), "--total-iterations",

@@ -71,7 +71,7 @@ TABLES: dict[str, Table] = {
         ("act_inputs_ms_p50", "wrapper_step_ms_p50", "processor_ms", "overhead_frac"),
     ),
     "cpu_sim_env_only": Table(
-        ("env", "workers", "vectorization", "render", "image_size", "chunk", "mujoco_gl"),
+        ("env", "workers", "vectorization", "render", "image_size", "chunk", "mujoco_gl", "shadow_size"),
         ("env_steps_per_s", "on_demand_speedup"),
     ),
     "batched_sim.env_only": Table(
@@ -90,7 +90,8 @@ TABLES: dict[str, Table] = {
     ),
     "batched_sim.eval": Table(("task", "policy", "episodes"), ("success_rate", "mean_return", "mean_length")),
     "cpu_sim_loop": Table(
-        ("policy", "device", "env", "workers", "vectorization", "groups", "render", "image_size", "chunk", "mujoco_gl"),
+        ("policy", "device", "env", "workers", "vectorization", "groups", "render", "image_size", "chunk", "mujoco_gl",
+         "shadow_size"),
         ("env_steps_per_s", "on_demand_speedup", "policy_ms_per_chunk", "env_ms_per_chunk", "policy_share"),
     ),
     "wrapper_overlap": Table(

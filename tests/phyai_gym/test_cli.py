@@ -467,6 +467,9 @@ def test_default_groups_overlap_mujoco_under_a_cuda_policy_only():
     assert RunConfig(env="scripted", device="cuda").resolved_groups() == 1
     assert RunConfig(env="Pusher-v5", device="cuda", groups=3).resolved_groups() == 3
     assert RunConfig(env="Pusher-v5").resolved_vectorization() is None  # the env's own default (sync)
+    assert RunConfig(env="libero_spatial", device="cuda").resolved_vectorization() == "async"
+    assert RunConfig(env="libero_spatial", device="cuda").resolved_groups() == 1  # task i follows env index i
+    assert RunConfig(env="libero_spatial", device="cpu").resolved_vectorization() is None
 
 
 @pytest.mark.parametrize(

@@ -20,13 +20,14 @@ import datetime
 import json
 import os
 import platform
-import subprocess
 import time
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
 import torch
+
+from phyai_gym.evaluation import project_commit
 
 ROOT = Path(__file__).resolve().parents[1]
 RESULTS = ROOT / "benchmarks" / "results"
@@ -42,14 +43,8 @@ seed system's published configuration (its harness's 1-token prompt in the 16-to
 
 # ------------------------------------------------------------------------------------------------- rows
 def git_commit() -> str:
-    """The measured commit: ``PHYAI_GYM_COMMIT`` if set (a copy without ``.git``), else ``git rev-parse HEAD``."""
-    if os.environ.get("PHYAI_GYM_COMMIT"):
-        return os.environ["PHYAI_GYM_COMMIT"]
-    try:
-        out = subprocess.run(["git", "rev-parse", "HEAD"], cwd=ROOT, capture_output=True, text=True, timeout=10)
-    except (OSError, subprocess.SubprocessError):
-        return "unknown"
-    return out.stdout.strip() or "unknown"
+    """The measured commit (`phyai_gym.evaluation.project_commit`: ``PHYAI_GYM_COMMIT`` if set, else git's HEAD)."""
+    return project_commit()
 
 
 def environment() -> dict[str, Any]:

@@ -22,6 +22,7 @@ import csv
 import hashlib
 import json
 import math
+import os
 import subprocess
 import time
 from collections import deque
@@ -112,7 +113,12 @@ def file_sha256(path: str | Path) -> str:
 
 
 def project_commit() -> str:
-    """``git rev-parse HEAD`` of the project, or "unknown" outside a git checkout."""
+    """``PHYAI_GYM_COMMIT`` if set, else ``git rev-parse HEAD`` of the project, else "unknown".
+
+    The variable names the commit of a copy of the tree whose ``.git`` is absent or not its own.
+    """
+    if os.environ.get("PHYAI_GYM_COMMIT"):
+        return os.environ["PHYAI_GYM_COMMIT"]
     try:
         out = subprocess.run(
             ["git", "rev-parse", "HEAD"],

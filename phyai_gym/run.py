@@ -130,10 +130,6 @@ class RunConfig:
         cuda = str(self.device).startswith("cuda")
         return cuda and self.num_envs >= 2 and resolve_env(self.env).kind in kinds
 
-    def _overlaps(self) -> bool:
-        """A MuJoCo env under a CUDA policy with N >= 2: the case the defaults run in parallel processes and groups."""
-        return self._parallel(GROUPABLE)
-
     def resolved_vectorization(self) -> str | None:
         """`vectorization`, or its default: async for a CPU simulator under a CUDA policy (None: the env's own)."""
         if self.vectorization is not None:
@@ -144,7 +140,7 @@ class RunConfig:
         """`groups`, or its default: 2 where the defaults step a MuJoCo env in worker processes, else 1."""
         if self.groups is not None:
             return self.groups
-        return 2 if self._overlaps() and self.resolved_vectorization() == "async" else 1
+        return 2 if self._parallel(GROUPABLE) and self.resolved_vectorization() == "async" else 1
 
 
 @dataclass

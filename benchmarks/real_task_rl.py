@@ -44,6 +44,8 @@ class Args:
 
     env: str = "mjwarp_push_cube_state"
     """the task (a make_env name with a scripted expert in phyai_gym.train.demos.EXPERTS)"""
+    policy_config: str = "tiny"
+    """the PI0.5 geometry SFT starts from: "tiny" or "small" (a 4-layer, 128-wide LM and expert)"""
     seeds: int = 3
     """number of seeds (each: its own demos, SFT weights, PPO run and eval episodes)"""
     first_seed: int = 1
@@ -94,7 +96,7 @@ class Args:
     @property
     def config(self) -> str:
         """The recipe in one string (the rows' ``config`` field)."""
-        return (f"tiny,{self.image_size}px,{self.cameras},C={self.action_chunk},K={self.denoise_steps},"
+        return (f"{self.policy_config},{self.image_size}px,{self.cameras},C={self.action_chunk},K={self.denoise_steps},"
                 f"sft={self.sft_trainable},sft_steps={self.sft_steps},dart={self.demo_noise:g},ppo N={self.num_envs} "
                 f"T={self.num_steps} lr={self.learning_rate:g}/{self.value_lr:g} a={self.noise_level:g} "
                 f"{self.reward_mode}")  # fmt: skip
@@ -127,6 +129,7 @@ def one_seed(args: Args, seed: int, work: Path) -> dict:
     sft, run = work / "sft", work / "ppo"
     started = time.perf_counter()
     _example("sft_pi05.py", ["--env", args.env, "--seed", str(seed), "--device", args.device,
+                             "--config", args.policy_config,
                              "--record-episodes", str(args.demos),
                              "--demos", str(work / "demos.h5"), "--steps", str(args.sft_steps), "--image-size",
                              str(args.image_size), "--cameras", args.cameras, "--action-chunk", str(args.action_chunk),
@@ -152,7 +155,8 @@ def one_seed(args: Args, seed: int, work: Path) -> dict:
         curve = [{k: float(v) if v not in ("", None) else float("nan") for k, v in r.items()}
                  for r in csv.DictReader(handle)]  # fmt: skip
     plots = PLOTS if args.out is None else Path(args.out)  # a run elsewhere keeps its plots beside its rows
-    plot_curves(curve, plots / f"{BENCH}_seed{seed}.png", title=f"PPO from SFT, tiny PI0.5, {args.env}, seed {seed}")
+    title = f"PPO from SFT, {args.policy_config} PI0.5, {args.env}, seed {seed}"
+    plot_curves(curve, plots / f"{BENCH}_seed{seed}.png", title=title)
     return {
         "seed": seed, "sft_successes": sft_k, "sft_episodes": sft_n, "ppo_successes": ppo_k, "ppo_episodes": ppo_n,
         "sft_s": round(sft_s, 1), "ppo_s": round(ppo_s, 1),

@@ -47,7 +47,7 @@ class Args:
     """device of the policy"""
     # Policy
     config: str = "tiny"
-    """"tiny" or "base" (random weights, stand-in tokenizer) when --checkpoint is not given"""
+    """"tiny", "small" or "base" (random weights, stand-in tokenizer) when --checkpoint is not given"""
     checkpoint: str | None = None
     """a PI0.5 checkpoint folder to fine-tune (its preset sets the prompt format and the action dims)"""
     preset: str | None = None
@@ -89,7 +89,7 @@ class Args:
     batch_size: int = 32
     """(episode, frame) samples per step"""
     learning_rate: float | None = None
-    """AdamW learning rate (default: 1e-3 for the tiny config; 2.5e-5, openpi's PI0.5 rate, otherwise)"""
+    """AdamW learning rate (default: 1e-3 for the tiny and small configs; 2.5e-5, openpi's PI0.5 rate, otherwise)"""
     lr_schedule: str = "constant"
     """"cosine" (the rate falls along a cosine to a tenth of --learning-rate at the last step, openpi's
     peak-to-end ratio) or "constant" """
@@ -115,7 +115,7 @@ class Args:
 
     def __post_init__(self) -> None:
         if self.learning_rate is None:
-            self.learning_rate = 1e-3 if self.config == "tiny" and self.checkpoint is None else 2.5e-5
+            self.learning_rate = 1e-3 if self.config in ("tiny", "small") and self.checkpoint is None else 2.5e-5
         if self.lr_schedule not in ("cosine", "constant"):
             raise ValueError(f"--lr-schedule: expected 'cosine' or 'constant', got {self.lr_schedule!r}.")
         if self.trainable not in ("expert", "all"):
@@ -136,7 +136,7 @@ class Args:
 def train(args: Args) -> dict:
     """Records (if asked) and fits the demonstrations; returns the loss curve, the policy and the success rate."""
     torch.manual_seed(args.seed)
-    tiny = args.config == "tiny" and args.checkpoint is None
+    tiny = args.config in ("tiny", "small") and args.checkpoint is None
     threads = configure_threads(args.threads, device=args.device, small_model=tiny)
     if not args.quiet:
         print(threads)

@@ -242,7 +242,7 @@ def make_policy(
         checkpoint: a safetensors checkpoint folder; None builds `config` with weights randomised by `seed`
             and the local stand-in tokenizer (no download).
         preset: processor conventions (`policies.pi05.presets`); required by checkpoints it cannot infer.
-        config: "tiny", "base" or a `Pi05Config` (random policies only).
+        config: "tiny", "small", "base" or a `Pi05Config` (random policies only).
         action_dim: env action dims A (random policies; a checkpoint's preset fixes it).
         camera_map: env camera -> model slot (random policies; default ``{"image": "base_0_rgb"}``).
         device: torch device.
@@ -282,10 +282,12 @@ def make_policy(
             )
         return _eager_from_pretrained(root, preset, device, dtype, max_batch_size, rollout)
     if isinstance(config, str):
-        if config not in ("tiny", "base"):
-            raise ValueError(f"config: expected 'tiny', 'base' or a Pi05Config, got {config!r}.")
-        # tiny: a 128-token prompt holds the state-in-prompt format of a 23-dim MuJoCo state without truncation
-        config = Pi05Config.tiny(max_token_len=128) if config == "tiny" else Pi05Config.pi05_base()
+        presets = {"tiny": Pi05Config.tiny, "small": Pi05Config.small, "base": Pi05Config.pi05_base}
+        if config not in presets:
+            raise ValueError(f"config: expected 'tiny', 'small', 'base' or a Pi05Config, got {config!r}. Fix: pass "
+                             "one of those names.")  # fmt: skip
+        # tiny, small: a 128-token prompt holds the state-in-prompt format of a 23-dim MuJoCo state untruncated
+        config = presets[config]() if config == "base" else presets[config](max_token_len=128)
     if rollout is None:
         rollout = RolloutConfig(num_steps=config.num_steps, action_chunk=min(5, config.action_horizon))
     processor_kwargs.setdefault("camera_map", camera_map or {"image": "base_0_rgb"})

@@ -227,6 +227,24 @@ class Pi05Config:
         base.update(overrides)
         return cls(**base)
 
+    @classmethod
+    def small(cls, **overrides: Any) -> Pi05Config:
+        """The tiny model with a 4-layer, 128-wide LM and action expert (RL from a cloned scripted expert).
+
+        The tiny expert (2 layers, width 40) averages across a scripted push expert's phase switches; this one is
+        the next size up for that job (docs/rl.md, section 5).
+
+        >>> Pi05Config.small().expert.width, Pi05Config.small().llm.depth
+        (128, 4)
+        """
+        base: dict[str, Any] = dict(
+            llm=GemmaConfig(width=128, depth=4, mlp_dim=256, num_heads=4, num_kv_heads=1, head_dim=32),
+            expert=GemmaConfig(width=128, depth=4, mlp_dim=256, num_heads=4, num_kv_heads=1, head_dim=32),
+            value_hidden=(64, 32),
+        )
+        base.update(overrides)
+        return cls.tiny(**base)
+
     # ------------------------------------------------------------------------------------- serialising
     def to_dict(self) -> dict[str, Any]:
         """Plain JSON-able dict (round-trips through `from_dict`)."""

@@ -30,6 +30,22 @@ def test_tiny_keeps_every_asymmetry() -> None:
     assert lm.depth == ex.depth and lm.head_dim == ex.head_dim
 
 
+def test_small_is_tiny_with_a_deeper_wider_lm_and_expert() -> None:
+    tiny, small = Pi05Config.tiny(), Pi05Config.small()
+    assert small.vision == tiny.vision and small.action_horizon == tiny.action_horizon
+    for stack in (small.llm, small.expert):  # the expert attends with the LM: same depth, heads and head_dim
+        assert (stack.width, stack.depth, stack.num_heads, stack.head_dim) == (128, 4, 4, 32)
+    assert Pi05Config.small(max_token_len=128).max_token_len == 128
+
+
+def test_make_policy_names_its_configs() -> None:
+    from phyai_gym.make import make_policy
+
+    assert make_policy(config="small", action_dim=7).model.config.expert.width == 128
+    with pytest.raises(ValueError, match=r"config: expected 'tiny', 'small', 'base' .* got 'huge'"):
+        make_policy(config="huge", action_dim=7)
+
+
 def test_pi05_base_has_published_numbers() -> None:
     cfg = Pi05Config.pi05_base()
     vis = cfg.vision
@@ -75,9 +91,10 @@ def test_pi05_base_has_published_numbers() -> None:
     [
         Pi05Config.tiny(),
         Pi05Config.pi05_base(),
+        Pi05Config.small(),
         Pi05Config.tiny(value_source="suffix", noise_head=False, action_horizon=7, noise_std_range=(0.1, 0.2)),
     ],
-    ids=["tiny", "base", "tiny-variant"],
+    ids=["tiny", "base", "small", "tiny-variant"],
 )
 def test_config_json_round_trip(tmp_path, cfg: Pi05Config) -> None:
     path = tmp_path / "config.json"

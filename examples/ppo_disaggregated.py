@@ -38,7 +38,7 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
-from phyai_gym.make import make_env, make_policy
+from phyai_gym.make import SMALL_CONFIGS, make_env, make_policy
 from phyai_gym.threads import configure_threads
 from phyai_gym.train.dataclass_cli import parse_dataclass
 from phyai_gym.train.distributed import average_gradients_
@@ -70,7 +70,7 @@ class Args:
     """process-group timeout: a collective waiting longer fails (a dead or stuck rank) instead of hanging"""
     # Policy
     config: str = "tiny"
-    """"tiny" or "base" (random weights, stand-in tokenizer) when --checkpoint is not given"""
+    """"tiny", "small" or "base" (random weights, stand-in tokenizer) when --checkpoint is not given"""
     checkpoint: str | None = None
     """a PI0.5 checkpoint folder, readable on every rank"""
     preset: str | None = None
@@ -143,7 +143,7 @@ class Args:
                 "--device cpu, or --device cuda on a machine with a GPU per rank."
             )
         if self.learning_rate is None:
-            self.learning_rate = 3e-3 if self.config == "tiny" and self.checkpoint is None else 5e-6
+            self.learning_rate = 3e-3 if self.config in SMALL_CONFIGS and self.checkpoint is None else 5e-6
         self.batch_size = self.num_envs * self.num_steps
 
 
@@ -220,7 +220,7 @@ def _setup(args: Args, rank: int, trainer: bool) -> tuple[Pi05Policy, torch.devi
     torch.manual_seed(args.seed)
     cuda = args.device == "cuda"
     device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", 0))) if cuda else torch.device("cpu")
-    threads = configure_threads(args.threads, device=str(device), small_model=args.config == "tiny")
+    threads = configure_threads(args.threads, device=str(device), small_model=args.config in SMALL_CONFIGS)
     if not args.quiet and rank == 0:
         print(threads)
     rollout_cfg = RolloutConfig(

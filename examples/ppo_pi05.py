@@ -53,7 +53,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from phyai_gym.make import make_env, make_policy
+from phyai_gym.make import SMALL_CONFIGS, make_env, make_policy
 from phyai_gym.threads import configure_threads
 from phyai_gym.train.curves import CurveLog
 from phyai_gym.train.dataclass_cli import parse_dataclass
@@ -198,7 +198,7 @@ class Args:
     """batch_size // num_minibatches"""
 
     def __post_init__(self) -> None:
-        tiny = self.config in ("tiny", "small") and self.checkpoint is None
+        tiny = self.config in SMALL_CONFIGS and self.checkpoint is None
         if self.learning_rate is None:
             self.learning_rate = 3e-3 if tiny else 5e-6
         if self.value_lr is None:
@@ -337,7 +337,7 @@ def _train(args: Args, curves: CurveLog, group: ProcessGroup | None, resume_from
     random.seed(args.seed)
     np.random.seed(args.seed + rank)  # the minibatch shuffle: each rank shuffles its own samples
     torch.manual_seed(args.seed)  # the same weights on every rank
-    tiny = args.config in ("tiny", "small") and args.checkpoint is None
+    tiny = args.config in SMALL_CONFIGS and args.checkpoint is None
     threads = configure_threads(args.threads, device=args.device, small_model=tiny)
     verbose = not args.quiet and rank == 0
     if verbose:

@@ -22,7 +22,7 @@ from dataclasses import dataclass, field
 import numpy as np
 import torch
 
-from phyai_gym.make import make_env, make_policy
+from phyai_gym.make import SMALL_CONFIGS, make_env, make_policy
 from phyai_gym.threads import configure_threads
 from phyai_gym.train.curves import CurveLog
 from phyai_gym.train.dataclass_cli import parse_dataclass
@@ -115,7 +115,7 @@ class Args:
 
     def __post_init__(self) -> None:
         if self.learning_rate is None:
-            self.learning_rate = 1e-3 if self.config in ("tiny", "small") and self.checkpoint is None else 2.5e-5
+            self.learning_rate = 1e-3 if self.config in SMALL_CONFIGS and self.checkpoint is None else 2.5e-5
         if self.lr_schedule not in ("cosine", "constant"):
             raise ValueError(f"--lr-schedule: expected 'cosine' or 'constant', got {self.lr_schedule!r}.")
         if self.trainable not in ("expert", "all"):
@@ -136,7 +136,7 @@ class Args:
 def train(args: Args) -> dict:
     """Records (if asked) and fits the demonstrations; returns the loss curve, the policy and the success rate."""
     torch.manual_seed(args.seed)
-    tiny = args.config in ("tiny", "small") and args.checkpoint is None
+    tiny = args.config in SMALL_CONFIGS and args.checkpoint is None
     threads = configure_threads(args.threads, device=args.device, small_model=tiny)
     if not args.quiet:
         print(threads)

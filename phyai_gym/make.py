@@ -220,6 +220,11 @@ def check_preset(preset: str | None) -> str | None:
     return preset
 
 
+SMALL_CONFIGS: tuple[str, ...] = ("tiny", "small")
+"""`make_policy` config names of small models: random ones train with small-model defaults (1 CPU thread, rates of
+1e-3 for SFT and 3e-3 for PPO) in the examples."""
+
+
 def make_policy(
     checkpoint: str | Path | None = None,
     *,
@@ -282,12 +287,11 @@ def make_policy(
             )
         return _eager_from_pretrained(root, preset, device, dtype, max_batch_size, rollout)
     if isinstance(config, str):
-        presets = {"tiny": Pi05Config.tiny, "small": Pi05Config.small, "base": Pi05Config.pi05_base}
-        if config not in presets:
+        if config not in (*SMALL_CONFIGS, "base"):
             raise ValueError(f"config: expected 'tiny', 'small', 'base' or a Pi05Config, got {config!r}. Fix: pass "
                              "one of those names.")  # fmt: skip
         # tiny, small: a 128-token prompt holds the state-in-prompt format of a 23-dim MuJoCo state untruncated
-        config = presets[config]() if config == "base" else presets[config](max_token_len=128)
+        config = Pi05Config.pi05_base() if config == "base" else getattr(Pi05Config, config)(max_token_len=128)
     if rollout is None:
         rollout = RolloutConfig(num_steps=config.num_steps, action_chunk=min(5, config.action_horizon))
     processor_kwargs.setdefault("camera_map", camera_map or {"image": "base_0_rgb"})

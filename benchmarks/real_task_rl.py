@@ -7,13 +7,17 @@ Per seed, the whole user sequence, each step the command a user runs (in this pr
 2. ``phyai-gym eval --checkpoint SFT --episodes K`` (deterministic): success with its Wilson 95 % interval;
 3. ``examples/ppo_pi05.py --checkpoint SFT --run-dir RUN``: PPO from the SFT policy on the sparse success reward
    (its curve and plot in RUN);
-4. ``phyai-gym eval --checkpoint RUN/checkpoints/last/pretrained_model``: success after PPO.
+4. ``phyai-gym eval --checkpoint RUN/checkpoints/last/pretrained_model``: success after PPO (``eval_ppo_<iteration>``).
 
 One row per seed and a pooled row (all seeds' episodes) go to ``results/real_task_rl.jsonl``; each seed's PPO curve
 is plotted with `phyai_gym.train.curves.plot_curves` into ``plots/real_task_rl_seed<k>.png``.
 
     python -m benchmarks.real_task_rl       # 3 seeds, tiny config, push-cube + state, 64 px (~20 min a seed here)
     python -m benchmarks.real_task_rl --seeds 1 --ppo-iterations 5 --eval-episodes 16   # a quick look
+
+With ``--work-dir DIR`` an interrupted run resumes when started again with the same flags: a seed's finished SFT
+checkpoint and its evaluations' episodes are kept, and PPO continues from its last checkpoint (``--save-every K``)
+through ``examples/ppo_pi05.py --resume``; ``--ppo-iterations`` may grow between the two starts.
 """
 
 from __future__ import annotations
@@ -32,6 +36,7 @@ from phyai_gym import cli
 from phyai_gym.evaluation import EPISODES_FILE, read_jsonl, wilson_interval
 from phyai_gym.train.curves import plot_curves
 from phyai_gym.train.dataclass_cli import parse_dataclass
+from phyai_gym.train.training_state import latest_checkpoint
 
 BENCH = "real_task_rl"
 ROOT = Path(__file__).resolve().parents[1]
@@ -72,6 +77,8 @@ class Args:
     """PPO iterations"""
     num_envs: int = 32
     """PPO's parallel envs"""
+    save_every: int = 0
+    """PPO checkpoint every K iterations, so that a rerun with the same --work-dir resumes it (0: at the end only)"""
     num_steps: int = 10
     """PPO's chunks per env per rollout (10 x C = 50: one episode)"""
     learning_rate: float = 3e-4
@@ -128,29 +135,35 @@ def one_seed(args: Args, seed: int, work: Path) -> dict:
     work.mkdir(parents=True, exist_ok=True)
     sft, run = work / "sft", work / "ppo"
     started = time.perf_counter()
-    _example("sft_pi05.py", ["--env", args.env, "--seed", str(seed), "--device", args.device,
-                             "--config", args.policy_config,
-                             "--record-episodes", str(args.demos),
-                             "--demos", str(work / "demos.h5"), "--steps", str(args.sft_steps), "--image-size",
-                             str(args.image_size), "--cameras", args.cameras, "--action-chunk", str(args.action_chunk),
-                             "--denoise-steps", str(args.denoise_steps), "--trainable", args.sft_trainable,
-                             "--demo-noise", str(args.demo_noise),
-                             "--out", str(sft), "--csv",
-                             str(work / "sft_curve.csv"), "--eval-episodes", "0", "--log-every", "50"])  # fmt: skip
+    if not (sft / "policy_config.json").is_file():  # the last file of a saved policy: a finished SFT is kept
+        _example("sft_pi05.py", ["--env", args.env, "--seed", str(seed), "--device", args.device,
+                                 "--config", args.policy_config,
+                                 "--record-episodes", str(args.demos),
+                                 "--demos", str(work / "demos.h5"), "--steps", str(args.sft_steps), "--image-size",
+                                 str(args.image_size), "--cameras", args.cameras, "--action-chunk",
+                                 str(args.action_chunk), "--denoise-steps", str(args.denoise_steps), "--trainable",
+                                 args.sft_trainable, "--demo-noise", str(args.demo_noise),
+                                 "--out", str(sft), "--csv",
+                                 str(work / "sft_curve.csv"), "--eval-episodes", "0", "--log-every", "50"])  # fmt: skip
     sft_s = time.perf_counter() - started
     eval_seed = 10_000 * seed  # the same episodes before and after PPO, apart from the demos' and PPO's seeds
     sft_k, sft_n = evaluate(args, sft, work / "eval_sft", eval_seed)
     started = time.perf_counter()
-    _example("ppo_pi05.py", ["--env", args.env, "--seed", str(seed), "--device", args.device,
-                             "--checkpoint", str(sft), "--run-dir", str(run),
-                             "--image-size", str(args.image_size), "--cameras", args.cameras, "--action-chunk",
-                             str(args.action_chunk), "--denoise-steps", str(args.denoise_steps), "--num-envs",
-                             str(args.num_envs), "--num-steps", str(args.num_steps), "--total-iterations",
-                             str(args.ppo_iterations), "--learning-rate", str(args.learning_rate), "--value-lr",
-                             str(args.value_lr), "--noise-level", str(args.noise_level), "--reward-mode",
-                             args.reward_mode, "--eval-episodes", "0"])  # fmt: skip
+    schedule = ["--total-iterations", str(args.ppo_iterations), "--save-every", str(args.save_every)]
+    if latest_checkpoint(run) is not None:  # an interrupted run: its own flags, from its last checkpoint
+        _example("ppo_pi05.py", ["--resume", str(run), *schedule])
+    else:
+        _example("ppo_pi05.py", ["--env", args.env, "--seed", str(seed), "--device", args.device,
+                                 "--checkpoint", str(sft), "--run-dir", str(run),
+                                 "--image-size", str(args.image_size), "--cameras", args.cameras, "--action-chunk",
+                                 str(args.action_chunk), "--denoise-steps", str(args.denoise_steps), "--num-envs",
+                                 str(args.num_envs), "--num-steps", str(args.num_steps), *schedule,
+                                 "--learning-rate", str(args.learning_rate), "--value-lr",
+                                 str(args.value_lr), "--noise-level", str(args.noise_level), "--reward-mode",
+                                 args.reward_mode, "--eval-episodes", "0"])  # fmt: skip
     ppo_s = time.perf_counter() - started
-    ppo_k, ppo_n = evaluate(args, run / "checkpoints" / "last" / "pretrained_model", work / "eval_ppo", eval_seed)
+    last = latest_checkpoint(run)  # checkpoints/<iteration>: a resumed, longer run is evaluated anew
+    ppo_k, ppo_n = evaluate(args, last / "pretrained_model", work / f"eval_ppo_{int(last.name)}", eval_seed)
     with (run / "curve.csv").open() as handle:
         curve = [{k: float(v) if v not in ("", None) else float("nan") for k, v in r.items()}
                  for r in csv.DictReader(handle)]  # fmt: skip

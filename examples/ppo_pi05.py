@@ -212,7 +212,7 @@ class Args:
             raise ValueError(f"num_minibatches ({self.num_minibatches}) > batch_size ({self.batch_size}).")
         if self.target_kl is not None and not self.target_kl > 0:
             raise ValueError(f"--target-kl: expected an approx-KL > 0, got {self.target_kl!r}. Fix: pass e.g. 0.5.")
-        if self.save_every < 0 or (self.save_every and self.run_dir is None):
+        if self.save_every < 0 or (self.save_every and self.run_dir is None and self.resume is None):
             raise ValueError(f"--save-every: expected 0, or K > 0 with --run-dir, got {self.save_every!r} (run dir "
                              f"{self.run_dir!r}). Fix: pass --run-dir DIR.")  # fmt: skip
         if self.run_dir is not None:

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import pytest
 
 from benchmarks import real_task_rl
@@ -21,3 +23,18 @@ def test_two_seeds_give_a_row_each_and_a_pooled_row(tmp_path):
     assert rows[-1]["sft_episodes"] == 4 and rows[-1]["sft_successes"] == sum(r["sft_successes"] for r in rows[:2])
     assert read_rows(tmp_path / "real_task_rl.jsonl") == rows
     assert (tmp_path / "work" / "seed2" / "ppo" / "checkpoints" / "last" / "pretrained_model").is_dir()
+
+
+def test_a_rerun_in_the_same_work_dir_keeps_the_sft_and_resumes_ppo(tmp_path):
+    pytest.importorskip("mujoco_warp")
+    work = tmp_path / "work" / "seed1"
+    args = real_task_rl.Args(seeds=1, demos=2, sft_steps=2, image_size=16, ppo_iterations=1, save_every=1,
+                             num_envs=2, num_steps=2, eval_episodes=2, eval_envs=2, work_dir=str(tmp_path / "work"),
+                             out=str(tmp_path))  # fmt: skip
+    first = real_task_rl.run(args)[0]
+    weights = (work / "sft" / "model.safetensors").read_bytes()
+    second = real_task_rl.run(replace(args, ppo_iterations=2))[0]
+    assert (work / "sft" / "model.safetensors").read_bytes() == weights
+    assert second["sft_successes"] == first["sft_successes"] and second["sft_s"] < 1.0  # no SFT the second time
+    assert second["ppo_rollout_success"][:1] == first["ppo_rollout_success"] and len(second["ppo_rollout_success"]) == 2
+    assert int(real_task_rl.latest_checkpoint(work / "ppo").name) == 2 and (work / "eval_ppo_2").is_dir()

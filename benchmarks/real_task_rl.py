@@ -87,6 +87,8 @@ class Args:
     """PPO value-head learning rate"""
     noise_level: float = 0.5
     """PPO's flow-SDE noise level (exploration)"""
+    group_size: int = 1
+    """PPO's --group-size: G > 1 takes group-relative advantages (G envs from one state) instead of GAE's"""
     reward_mode: str = "sparse"
     """the env's reward in PPO: "sparse" (1 at success) or "normalized_dense" (make_env's default)"""
     device: str = "cpu"
@@ -106,7 +108,7 @@ class Args:
         return (f"{self.policy_config},{self.image_size}px,{self.cameras},C={self.action_chunk},K={self.denoise_steps},"
                 f"sft={self.sft_trainable},sft_steps={self.sft_steps},dart={self.demo_noise:g},ppo N={self.num_envs} "
                 f"T={self.num_steps} lr={self.learning_rate:g}/{self.value_lr:g} a={self.noise_level:g} "
-                f"{self.reward_mode}")  # fmt: skip
+                f"{self.reward_mode}" + (f" G={self.group_size}" if self.group_size > 1 else ""))  # fmt: skip
 
 
 def _example(name: str, argv: list[str]) -> None:
@@ -160,7 +162,8 @@ def one_seed(args: Args, seed: int, work: Path) -> dict:
                                  str(args.num_envs), "--num-steps", str(args.num_steps), *schedule,
                                  "--learning-rate", str(args.learning_rate), "--value-lr",
                                  str(args.value_lr), "--noise-level", str(args.noise_level), "--reward-mode",
-                                 args.reward_mode, "--eval-episodes", "0"])  # fmt: skip
+                                 args.reward_mode, "--group-size", str(args.group_size),
+                                 "--eval-episodes", "0"])  # fmt: skip
     ppo_s = time.perf_counter() - started
     last = latest_checkpoint(run)  # checkpoints/<iteration>: a resumed, longer run is evaluated anew
     ppo_k, ppo_n = evaluate(args, last / "pretrained_model", work / f"eval_ppo_{int(last.name)}", eval_seed)

@@ -59,7 +59,15 @@ from phyai_gym.train.curves import CurveLog
 from phyai_gym.train.dataclass_cli import parse_dataclass
 from phyai_gym.train.distributed import GradientMean, ProcessGroup
 from phyai_gym.train.master_weights import MasterWeights
-from phyai_gym.train.ppo_math import LOGPROB_REDUCTIONS, RewardNormalizer, clipped_losses, gae, log_ratio, ratio_stats
+from phyai_gym.train.ppo_math import (
+    LOGPROB_REDUCTIONS,
+    RewardNormalizer,
+    clipped_losses,
+    gae,
+    group_advantages,
+    log_ratio,
+    ratio_stats,
+)
 from phyai_gym.train.training_state import TrainingState, latest_checkpoint
 from policies.pi05.batch import RolloutBatch
 from policies.pi05.policy import RolloutConfig
@@ -141,7 +149,13 @@ class Args:
     update_epochs: int = 4
     """epochs over each rollout"""
     norm_adv: bool = True
-    """normalise advantages per minibatch"""
+    """normalise advantages per minibatch (GAE's; --group-size's advantages are normalised per group)"""
+    group_size: int = 1
+    """G > 1: group-relative advantages (GRPO's) instead of GAE's: every rollout starts from a reset in which each G
+    consecutive envs share one state (an env seed) and draw their own noise; a chunk's advantage is its env's
+    first-episode return minus its group's mean, over the group's std, and 0 after that episode
+    (`ppo_math.group_advantages`); the critic still trains, the advantages do not use it. N must be a multiple of G
+    and T x C must cover an episode. 1: GAE"""
     norm_reward: bool = False
     """divide rewards by the running std of the discounted return (cleanrl's NormalizeReward): with dense rewards
     (MuJoCo) returns are tens, and value clipping lets a value move only --clip-coef per iteration (docs/rl.md)"""
@@ -210,6 +224,9 @@ class Args:
         self.minibatch_size = self.batch_size // self.num_minibatches
         if self.minibatch_size < 1:
             raise ValueError(f"num_minibatches ({self.num_minibatches}) > batch_size ({self.batch_size}).")
+        if self.group_size < 1 or self.num_envs % self.group_size:
+            raise ValueError(f"--group-size: expected G >= 1 dividing --num-envs {self.num_envs}, got "
+                             f"{self.group_size!r}. Fix: pass e.g. --group-size 8 with --num-envs 64.")  # fmt: skip
         if self.target_kl is not None and not self.target_kl > 0:
             raise ValueError(f"--target-kl: expected an approx-KL > 0, got {self.target_kl!r}. Fix: pass e.g. 0.5.")
         if self.save_every < 0 or (self.save_every and self.run_dir is None and self.resume is None):
@@ -421,8 +438,12 @@ def _train(args: Args, curves: CurveLog, group: ProcessGroup | None, resume_from
     obs = None
     times = {"rollout": 0.0, "train": 0.0, "sync": 0.0}
     for iteration in range(start, args.total_iterations + 1):
-        if obs is None or args.reset_every_iteration:  # env i: seed + env_offset + i, then fresh seeds per iteration
-            obs, _ = envs.reset(seed=args.seed + env_offset + (iteration - 1) * world * N)
+        seed = args.seed + env_offset + (iteration - 1) * world * N  # env i: seed + i, fresh seeds every iteration
+        if args.group_size > 1:  # G envs a state: grouped env seeds, every env its own noise stream
+            env_seeds = args.seed + (iteration - 1) * world * N + (env_offset + np.arange(N)) // args.group_size
+            obs, _ = envs.reset(seed=env_seeds.tolist(), options={"stream_seeds": list(range(seed, seed + N))})
+        elif obs is None or args.reset_every_iteration:
+            obs, _ = envs.reset(seed=seed)
         if args.anneal_lr:
             frac = 1.0 - (iteration - 1.0) / args.total_iterations
             optimizer.param_groups[0]["lr"] = frac * args.learning_rate
@@ -431,6 +452,8 @@ def _train(args: Args, curves: CurveLog, group: ProcessGroup | None, resume_from
         # ---- rollout: T chunks per env with the rollout policy ---------------------------------------
         t0 = time.perf_counter()
         returns_done, successes, samples = [], [], []
+        first_episode = np.ones((T, N), dtype=np.float32)  # chunk t acted in its env's first episode
+        outcomes = np.full(N, np.nan)  # the first episode's return
         with torch.no_grad():
             for step in range(T):
                 obs, reward, terminated, truncated, infos = envs.step()  # the policy acts on `obs`
@@ -450,11 +473,23 @@ def _train(args: Args, curves: CurveLog, group: ProcessGroup | None, resume_from
                 if "episode" in infos:
                     ended = _numpy(infos["_episode"])
                     returns_done += _numpy(infos["episode"]["r"])[ended].tolist()
+                    first = ended & np.isnan(outcomes)
+                    outcomes[first] = _numpy(infos["episode"]["r"])[first]
+                    first_episode[step + 1 :, first] = 0.0
                     successes += _numpy(infos["episode"]["success_once"])[ended].tolist()
             next_value = policy.value(obs).to(device)  # V(s_T) for the unfinished envs
 
             # ---- GAE over chunk steps (the explicit backward loop: ppo_math.gae) -------------------------
             advantages, returns = gae(rewards, values, dones, next_value, gamma=args.gamma, gae_lambda=args.gae_lambda)
+            if args.group_size > 1:
+                if np.isnan(outcomes).any():
+                    raise ValueError(
+                        f"--group-size: {int(np.isnan(outcomes).sum())} env(s) did not finish an episode in T x C = "
+                        f"{T * C} env steps, so their outcome is unknown. Fix: raise --num-steps until T x C covers "
+                        "the env's episode limit."
+                    )
+                outcome = torch.as_tensor(outcomes, dtype=torch.float32, device=device)
+                advantages = group_advantages(outcome, torch.as_tensor(first_episode, device=device), args.group_size)
         if device.type == "cuda":
             torch.cuda.synchronize(device)
         times["rollout"] += (t_rollout := time.perf_counter() - t0)
@@ -491,7 +526,7 @@ def _train(args: Args, curves: CurveLog, group: ProcessGroup | None, resume_from
                 chunk_kls.append(chunk_kl)
             if args.target_kl is not None and approx_kl.item() > args.target_kl:
                 break
-            if args.norm_adv:
+            if args.norm_adv and args.group_size == 1:
                 mb_adv = (mb_adv - adv_mean) / (adv_std + 1e-8)
 
             # clipped surrogate (every ratio with its sample's advantage) and clipped value loss
@@ -537,6 +572,10 @@ def _train(args: Args, curves: CurveLog, group: ProcessGroup | None, resume_from
             "update_steps": steps,
             "clipfrac": float(torch.stack(clipfracs).mean()),
             "explained_variance": float(explained_var),
+            # --group-size: the share of groups whose envs' outcomes differ (the others give no gradient)
+            "group_signal": float(np.ptp(outcomes.reshape(-1, args.group_size), axis=1).astype(bool).mean())
+            if args.group_size > 1
+            else float("nan"),
             "sps": global_step / (time.perf_counter() - start_time),
             "time_rollout": t_rollout,
             "time_train": t_train,

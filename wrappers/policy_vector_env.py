@@ -245,10 +245,19 @@ class PolicyVectorEnv(VectorWrapper):
         """Resets the envs; ``seed=s`` gives env i the env seed and policy stream seed s + i.
 
         ``options["reset_mask"]`` resets only the masked envs (their policy streams are not re-seeded).
+        ``options["stream_seeds"]`` (N ints) seeds the policy streams apart from the env seeds, e.g. envs that
+        start from one state (equal seeds) but draw their own noise (GRPO's groups).
         """
         self._check_open("reset")
         options = dict(options or {})
         mask = options.pop("reset_mask", None)
+        streams = options.pop("stream_seeds", None)
+        if streams is not None and (mask is not None or len(streams) != self.num_envs):
+            raise ValueError(
+                f"PolicyVectorEnv.reset: options['stream_seeds'] must hold one seed per env ({self.num_envs}) in a "
+                f"reset of all envs; got {len(streams)} seeds, reset_mask {'given' if mask is not None else 'None'}. "
+                "Fix: pass N stream seeds without a reset_mask."
+            )
         mask = None if mask is None else np.asarray(mask, dtype=bool)
         seeds = None if seed is None else ([seed + i for i in range(self.num_envs)] if isinstance(seed, int)
                                            else [int(s) for s in seed])  # fmt: skip
@@ -257,7 +266,9 @@ class PolicyVectorEnv(VectorWrapper):
         obs_parts, info_parts = self._pipeline.reset(seeds, options, mask)
         for obs in obs_parts:
             _check_canonical(list(obs), "observations from `env`")
-        if seeds is not None and mask is None:
+        if streams is not None:
+            self._pending_seeds = torch.tensor([int(v) for v in streams], dtype=torch.int64)
+        elif seeds is not None and mask is None:
             self._pending_seeds = torch.tensor(seeds, dtype=torch.int64)
         if self._stats is not None:
             self._stats.to(self._pipeline.runners[0].device)

@@ -63,6 +63,31 @@ LOGPROB_REDUCTIONS: tuple[str, ...] = ("sum", "action", "element", "mean")
 """The log-ratio granularities `log_ratio` knows (module docstring)."""
 
 
+def group_advantages(outcomes: torch.Tensor, first_episode: torch.Tensor, group_size: int) -> torch.Tensor:
+    """(T, N) group-relative advantages (GRPO's, in place of GAE's): no critic, a per-state baseline instead.
+
+    The N envs form N / `group_size` groups of consecutive envs that started the rollout from one reset state. Each
+    env's first-episode outcome is centred on its group's mean and divided by the group's standard deviation, and
+    every chunk of that first episode takes the result; chunks after it take 0. A group whose envs all ended alike
+    (all failed, or all succeeded) gives 0: no gradient, where a critic that cannot tell states apart would give
+    each of its samples the critic's error as an advantage.
+
+    Args:
+        outcomes: (N,) each env's first-episode return (with a sparse success reward: 1 or 0).
+        first_episode: (T, N) 1.0 where the chunk acted in its env's first episode of the rollout.
+        group_size: G, envs per group (N a multiple of it).
+
+    Example:
+        >>> adv = group_advantages(torch.tensor([1.0, 0.0, 0.0, 0.0]), torch.ones(1, 4), 2)
+        >>> [round(a, 3) for a in adv.flatten().tolist()]
+        [0.707, -0.707, 0.0, 0.0]
+    """
+    groups = outcomes.reshape(-1, group_size)
+    centred = groups - groups.mean(dim=1, keepdim=True)
+    scaled = centred / (groups.std(dim=1, keepdim=True) + 1e-6)  # all alike: 0 / eps = 0
+    return first_episode * scaled.reshape(1, -1)
+
+
 def log_ratio(new_elements: torch.Tensor, old_elements: torch.Tensor, reduction: str) -> torch.Tensor:
     """(B, G) log-ratios of B samples at the granularity `reduction`, from (B, C, A) element log-probs.
 

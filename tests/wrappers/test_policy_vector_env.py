@@ -353,3 +353,27 @@ def test_wrapper_declares_the_batch_sizes_it_calls(sizes):
     with pytest.raises(ValueError, match="action_chunk"):  # a refused construction declares nothing
         PolicyVectorEnv(make_scripted_env(2), policy, action_chunk=9)
     assert len(policy.declared) == 1
+
+
+def test_stream_seeds_set_the_noise_apart_from_the_env_seeds():
+    """GRPO's groups: envs reset to one state (equal env seeds) draw the noise of their own stream seeds; a bad
+    stream_seeds option is refused before anything is reset."""
+    wrappers = [PolicyVectorEnv(make_scripted_env(4), GaussianPolicy(A, action_horizon=C), action_chunk=C)
+                for _ in range(2)]  # fmt: skip
+    for wrapper in wrappers:
+        obs, _ = wrapper.reset(seed=[5, 5, 5, 5], options={"stream_seeds": [1, 2, 1, 3]})
+        assert all(np.array_equal(obs["state"][0], row) for row in obs["state"])  # one state
+        wrapper.step()
+    actions = wrappers[0].last_output.actions
+    assert torch.equal(actions[0], actions[2]) and not torch.equal(actions[0], actions[1])
+    assert not torch.equal(actions[1], actions[3])
+    refused = wrappers[0]
+    with pytest.raises(ValueError, match=r"stream_seeds.*one seed per env \(4\).*got 3"):
+        refused.reset(seed=0, options={"stream_seeds": [1, 2, 3]})
+    with pytest.raises(ValueError, match="without a reset_mask"):
+        refused.reset(options={"stream_seeds": [1, 2, 3, 4], "reset_mask": np.array([True, False, True, False])})
+    (obs_a, *_), (obs_b, *_) = (w.step() for w in wrappers)  # the refusals changed nothing
+    np.testing.assert_array_equal(obs_a["state"], obs_b["state"])
+    assert torch.equal(wrappers[0].last_output.actions, wrappers[1].last_output.actions)
+    for wrapper in wrappers:
+        wrapper.close()

@@ -7,7 +7,7 @@ import pytest
 import torch
 from gymnasium.wrappers.utils import RunningMeanStd
 
-from phyai_gym.train.ppo_math import LOGPROB_REDUCTIONS, RewardNormalizer, log_ratio, ppo_loss
+from phyai_gym.train.ppo_math import LOGPROB_REDUCTIONS, RewardNormalizer, group_advantages, log_ratio, ppo_loss
 
 
 def test_granularities_group_the_element_log_ratios():
@@ -50,3 +50,18 @@ def test_reward_normalizer_matches_gymnasium_running_moments():
     restored.load_state_dict(norm.state_dict())
     step = (torch.ones(3), torch.zeros(3))
     assert torch.equal(restored(*step), norm(*step))
+
+
+def test_group_advantages_centre_each_group_and_stop_after_the_first_episode():
+    outcomes = torch.tensor([1.0, 0.0, 0.0, 0.0, 1.0, 1.0, 1.0, 1.0, 2.0, 0.0, 1.0, 1.0])  # G = 4: 3 groups
+    first = torch.ones(3, 12)
+    first[2:, 0] = 0.0  # env 0's first episode ended at chunk 1
+    adv = group_advantages(outcomes, first, 4)
+    group = torch.tensor([1.0, 0.0, 0.0, 0.0])
+    torch.testing.assert_close(adv[0, :4], (group - 0.25) / group.std())
+    assert adv[2, 0] == 0.0 and adv[1, 0] > 0.0  # after the first episode: no advantage
+    assert torch.equal(adv[:, 4:8], torch.zeros(3, 4))  # all alike: no gradient (not 0 / 0)
+    torch.testing.assert_close(adv[0, 8:].sum(), torch.tensor(0.0))
+    assert adv[0, 8] > adv[0, 10] > adv[0, 9]
+    with pytest.raises(RuntimeError):
+        group_advantages(outcomes, first, 5)  # N not a multiple of G (the example refuses it first)

@@ -618,11 +618,10 @@ def _train(args: Args, curves: CurveLog, group: ProcessGroup | None, resume_from
     if rank == 0:
         success = (f"stochastic {final['stochastic']:.3f}, deterministic {final['deterministic']:.3f}"
                    if args.eval_episodes > 0 else "not measured (--eval-episodes 0)")  # fmt: skip
-        print(
-            f"final success: {success} | "
-            f"time split: rollout {times['rollout'] / total:.0%}, training {times['train'] / total:.0%}, "
-            f"weight sync {times['sync'] / total:.1%} of {total:.1f}s"
-        )
+        split = (f"time split: rollout {times['rollout'] / total:.0%}, training {times['train'] / total:.0%}, "
+                 f"weight sync {times['sync'] / total:.1%} of {total:.1f}s" if total > 0
+                 else "no iteration ran (a resumed run already at --total-iterations)")  # fmt: skip
+        print(f"final success: {success} | {split}")
     return {"curve": curves.rows, "final": final, "times": times, "trainer": trainer, "policy": policy}
 
 

@@ -71,6 +71,8 @@ def test_resume_after_2_of_4_iterations_gives_the_straight_curve(tmp_path):
     assert split == straight
     assert [int(r["iteration"]) for r in resumed["curve"]] == [1, 2, 3, 4]
     assert (tmp_path / "split" / "checkpoints" / "last").resolve().name == "000004"
+    again = ppo.train(ppo.Args(total_iterations=4, resume=str(tmp_path / "split"), quiet=True))  # nothing left to run
+    assert _curve(tmp_path / "split" / "curve.csv") == straight and len(again["curve"]) == 4
 
 
 def test_resume_drops_rows_written_after_its_checkpoint(tmp_path):
@@ -94,6 +96,7 @@ def test_run_dir_and_resume_refusals(tmp_path):
         ppo.parse_args(["--resume", str(run), "--learning-rate", "0.1"])
     args = ppo.parse_args(["--resume", str(run), "--total-iterations", "3"])
     assert (args.total_iterations, args.num_envs, args.eval_episodes) == (3, 4, 0)  # the rest: the run's own
+    assert ppo.parse_args(["--resume", str(run), "--save-every", "1"]).save_every == 1  # the run dir is the resumed
     with pytest.raises(ValueError, match="--save-every"):
         ppo.Args(save_every=2)
     with pytest.raises(FileNotFoundError, match="args.json"):

@@ -43,7 +43,7 @@ SKIPPED = {
     "--action-chunk 5 --out runs/eval_sft": SFT_RUN,
     "python examples/ppo_pi05.py --env mjwarp_push_cube_state --checkpoint sft_push --run-dir runs/push "
     "--image-size 64 --cameras image --action-chunk 5 --num-envs 32 --num-steps 10 --total-iterations 12 "
-    "--learning-rate 3e-4 --value-lr 3e-3 --noise-level 0.5 --reward-mode sparse --save-every 4 --eval-episodes 0":
+    "--learning-rate 3e-5 --value-lr 3e-3 --noise-level 0.5 --reward-mode sparse --save-every 4 --eval-episodes 0":
         PPO_RUN,
     "python examples/ppo_pi05.py --resume runs/push --total-iterations 24": PPO_RUN,
     "phyai-gym eval --env mjwarp_push_cube_state --checkpoint runs/push --episodes 48 --num-envs 16 --image-size 64 "

@@ -67,25 +67,30 @@ def group_advantages(outcomes: torch.Tensor, first_episode: torch.Tensor, group_
     """(T, N) group-relative advantages (GRPO's, in place of GAE's): no critic, a per-state baseline instead.
 
     The N envs form N / `group_size` groups of consecutive envs that started the rollout from one reset state. Each
-    env's first-episode outcome is centred on its group's mean and divided by the group's standard deviation, and
-    every chunk of that first episode takes the result; chunks after it take 0. A group whose envs all ended alike
-    (all failed, or all succeeded) gives 0: no gradient, where a critic that cannot tell states apart would give
-    each of its samples the critic's error as an advantage.
+    env's first-episode outcome is centred on its group's mean and divided by the group's standard deviation; that
+    episode's chunks share the result equally (each takes it over the episode's length in chunks) and chunks after
+    it take 0. So every group's advantages sum to 0 over its chunks, however long its episodes: without the sharing,
+    failed episodes (all T chunks) outweigh successful ones (ended early) and the mean advantage is negative, an
+    update that also pushes down the likelihood of whatever was sampled (docs/rl.md). A group whose envs all ended
+    alike gives 0: no gradient, where a critic that cannot tell states apart would give each of its samples the
+    critic's error.
 
     Args:
         outcomes: (N,) each env's first-episode return (with a sparse success reward: 1 or 0).
-        first_episode: (T, N) 1.0 where the chunk acted in its env's first episode of the rollout.
+        first_episode: (T, N) 1.0 where the chunk acted in its env's first episode of the rollout (at least its
+            first chunk).
         group_size: G, envs per group (N a multiple of it).
 
     Example:
-        >>> adv = group_advantages(torch.tensor([1.0, 0.0, 0.0, 0.0]), torch.ones(1, 4), 2)
-        >>> [round(a, 3) for a in adv.flatten().tolist()]
-        [0.707, -0.707, 0.0, 0.0]
+        >>> first = torch.tensor([[1.0, 1.0, 1.0, 1.0], [0.0, 1.0, 1.0, 1.0]])  # env 0's episode: one chunk
+        >>> adv = group_advantages(torch.tensor([1.0, 0.0, 0.0, 0.0]), first, 2)
+        >>> [[round(a, 3) for a in row] for row in adv.tolist()]
+        [[0.707, -0.354, 0.0, 0.0], [0.0, -0.354, 0.0, 0.0]]
     """
     groups = outcomes.reshape(-1, group_size)
     centred = groups - groups.mean(dim=1, keepdim=True)
     scaled = centred / (groups.std(dim=1, keepdim=True) + 1e-6)  # all alike: 0 / eps = 0
-    return first_episode * scaled.reshape(1, -1)
+    return first_episode * (scaled.reshape(-1) / first_episode.sum(dim=0))
 
 
 def log_ratio(new_elements: torch.Tensor, old_elements: torch.Tensor, reduction: str) -> torch.Tensor:

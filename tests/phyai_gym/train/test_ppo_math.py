@@ -52,16 +52,19 @@ def test_reward_normalizer_matches_gymnasium_running_moments():
     assert torch.equal(restored(*step), norm(*step))
 
 
-def test_group_advantages_centre_each_group_and_stop_after_the_first_episode():
+def test_group_advantages_centre_each_group_share_it_over_the_episode_and_sum_to_zero():
     outcomes = torch.tensor([1.0, 0.0, 0.0, 0.0, 1.0, 1.0, 1.0, 1.0, 2.0, 0.0, 1.0, 1.0])  # G = 4: 3 groups
     first = torch.ones(3, 12)
-    first[2:, 0] = 0.0  # env 0's first episode ended at chunk 1
+    first[2:, 0] = 0.0  # env 0's first episode ended at chunk 1 (2 chunks); the others ran all 3
     adv = group_advantages(outcomes, first, 4)
     group = torch.tensor([1.0, 0.0, 0.0, 0.0])
-    torch.testing.assert_close(adv[0, :4], (group - 0.25) / group.std())
-    assert adv[2, 0] == 0.0 and adv[1, 0] > 0.0  # after the first episode: no advantage
+    per_episode = (group - 0.25) / group.std()
+    torch.testing.assert_close(adv[:2, 0], per_episode[:1].expand(2) / 2)  # shared by its 2 chunks
+    assert adv[2, 0] == 0.0  # after the first episode: no advantage
+    torch.testing.assert_close(adv[:, 1:4], per_episode[1:].expand(3, 3) / 3)
+    torch.testing.assert_close(adv[:, :4].sum(), torch.tensor(0.0))  # failures do not outweigh the short success
     assert torch.equal(adv[:, 4:8], torch.zeros(3, 4))  # all alike: no gradient (not 0 / 0)
-    torch.testing.assert_close(adv[0, 8:].sum(), torch.tensor(0.0))
+    torch.testing.assert_close(adv[:, 8:].sum(), torch.tensor(0.0))
     assert adv[0, 8] > adv[0, 10] > adv[0, 9]
     with pytest.raises(RuntimeError):
         group_advantages(outcomes, first, 5)  # N not a multiple of G (the example refuses it first)

@@ -155,7 +155,8 @@ class Args:
     consecutive envs share one state (an env seed) and draw their own noise; a chunk's advantage is its env's
     first-episode return minus its group's mean, over the group's std, shared by that episode's chunks, and 0 after
     it (`ppo_math.group_advantages`); the critic still trains, the advantages do not use it. N must be a multiple of
-    G and T x C must cover an episode. 1: GAE"""
+    G and T x C must cover an episode; the curve's group_signal is the share of groups whose envs ended differently
+    (rank 0's groups under torchrun). 1: GAE"""
     norm_reward: bool = False
     """divide rewards by the running std of the discounted return (cleanrl's NormalizeReward): with dense rewards
     (MuJoCo) returns are tens, and value clipping lets a value move only --clip-coef per iteration (docs/rl.md)"""

@@ -472,10 +472,10 @@ def _train(args: Args, curves: CurveLog, group: ProcessGroup | None, resume_from
                     reward = reward_norm(reward, dones[step])
                 rewards[step] = reward + args.gamma * final_value * trunc
                 if "episode" in infos:
-                    ended = _numpy(infos["_episode"])
-                    returns_done += _numpy(infos["episode"]["r"])[ended].tolist()
+                    ended, episode_returns = _numpy(infos["_episode"]), _numpy(infos["episode"]["r"])
+                    returns_done += episode_returns[ended].tolist()
                     first = ended & np.isnan(outcomes)
-                    outcomes[first] = _numpy(infos["episode"]["r"])[first]
+                    outcomes[first] = episode_returns[first]
                     first_episode[step + 1 :, first] = 0.0
                     successes += _numpy(infos["episode"]["success_once"])[ended].tolist()
             next_value = policy.value(obs).to(device)  # V(s_T) for the unfinished envs

@@ -46,6 +46,9 @@ SKIPPED = {
     "--learning-rate 3e-5 --value-lr 3e-3 --noise-level 0.5 --reward-mode sparse --save-every 4 --eval-episodes 0":
         PPO_RUN,
     "python examples/ppo_pi05.py --resume runs/push --total-iterations 24": PPO_RUN,
+    "python -m benchmarks.real_task_rl --device cuda --policy-config small --demos 128 --num-envs 256 --group-size 8 "
+    "--learning-rate 5e-5 --ppo-iterations 250 --save-every 5 --eval-episodes 256 --eval-envs 128 --work-dir runs/rt":
+        GPU,
     "phyai-gym eval --env mjwarp_push_cube_state --checkpoint runs/push --episodes 48 --num-envs 16 --image-size 64 "
     "--action-chunk 5 --out runs/eval_ppo": PPO_RUN,
     'pip install torch==2.13.0 && pip install -e ".[sim]" && phyai-gym run': f"{NETWORK}; `phyai-gym run` runs here",
@@ -89,7 +92,7 @@ SKIPPED = {
     "bash .ci/run": f"{SUITE}, plus ruff",
     "python3 -m pytest -q": SUITE,
 }
-NAMES = {"phyai-gym", "apt-get install", "pip"}  # inline mentions in prose, not commands
+NAMES = {"phyai-gym", "phyai-gym eval", "apt-get install", "pip"}  # inline mentions in prose, not commands
 
 
 def readme_commands(text: str) -> list[str]:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 from dataclasses import replace
 
 import pytest
@@ -29,8 +30,8 @@ def test_a_rerun_in_the_same_work_dir_keeps_the_sft_and_resumes_ppo(tmp_path):
     pytest.importorskip("mujoco_warp")
     work = tmp_path / "work" / "seed1"
     args = real_task_rl.Args(seeds=1, demos=2, sft_steps=2, image_size=16, ppo_iterations=1, save_every=1,
-                             num_envs=2, num_steps=2, eval_episodes=2, eval_envs=2, work_dir=str(tmp_path / "work"),
-                             out=str(tmp_path))  # fmt: skip
+                             num_envs=2, num_steps=2, eval_episodes=2, eval_envs=2, anneal_lr=True,
+                             work_dir=str(tmp_path / "work"), out=str(tmp_path))  # fmt: skip
     first = real_task_rl.run(args)[0]
     weights = (work / "sft" / "model.safetensors").read_bytes()
     second = real_task_rl.run(replace(args, ppo_iterations=2))[0]
@@ -38,3 +39,5 @@ def test_a_rerun_in_the_same_work_dir_keeps_the_sft_and_resumes_ppo(tmp_path):
     assert second["sft_successes"] == first["sft_successes"] and second["sft_s"] < 1.0  # no SFT the second time
     assert second["ppo_rollout_success"][:1] == first["ppo_rollout_success"] and len(second["ppo_rollout_success"]) == 2
     assert int(real_task_rl.latest_checkpoint(work / "ppo").name) == 2 and (work / "eval_ppo_2").is_dir()
+    assert json.loads((work / "ppo" / "args.json").read_text())["anneal_lr"] is True  # reached PPO, kept on resume
+    assert " annealed " in second["config"]

@@ -91,6 +91,8 @@ class Args:
     within 20-30 iterations, at 3e-5 it held on the CPU and climbed with 256 envs on the GPU (docs/rl.md)"""
     value_lr: float = 3e-3
     """PPO value-head learning rate"""
+    target_kl: float | None = None
+    """PPO's --target-kl: end an update at the first minibatch whose approx-KL is above it (None: every epoch)"""
     anneal_lr: bool = False
     """PPO's --anneal-lr: both learning rates fall linearly to 0 over --ppo-iterations (fixed when PPO starts: a
     resumed run keeps the schedule it was started with)"""
@@ -115,7 +117,8 @@ class Args:
     def config(self) -> str:
         """The recipe in one string (the rows' ``config`` field)."""
         ppo = (f"ppo N={self.num_envs} T={self.num_steps} lr={self.learning_rate:g}/{self.value_lr:g}"
-               + (" annealed" if self.anneal_lr else "") + f" a={self.noise_level:g} {self.reward_mode}"
+               + (" annealed" if self.anneal_lr else "") + (f" kl<={self.target_kl:g}" if self.target_kl else "")
+               + f" a={self.noise_level:g} {self.reward_mode}"
                + (f" G={self.group_size}" if self.group_size > 1 else ""))  # fmt: skip
         return (f"{self.policy_config},{self.image_size}px,{self.cameras},C={self.action_chunk},K={self.denoise_steps},"
                 f"sft={self.sft_trainable},sft_steps={self.sft_steps},dart={self.demo_noise:g},{ppo}")  # fmt: skip
@@ -174,6 +177,7 @@ def one_seed(args: Args, seed: int, work: Path) -> dict:
                                  str(args.value_lr), "--noise-level", str(args.noise_level), "--reward-mode",
                                  args.reward_mode, "--group-size", str(args.group_size),
                                  "--anneal-lr" if args.anneal_lr else "--no-anneal-lr",
+                                 *(["--target-kl", str(args.target_kl)] if args.target_kl is not None else []),
                                  "--eval-episodes", "0"])  # fmt: skip
     ppo_s = time.perf_counter() - started
     last = latest_checkpoint(run)  # checkpoints/<iteration>: a resumed, longer run is evaluated anew

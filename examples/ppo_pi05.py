@@ -156,7 +156,7 @@ class Args:
     first-episode return minus its group's mean, over the group's std, shared by that episode's chunks, and 0 after
     it (`ppo_math.group_advantages`); the critic still trains, the advantages do not use it. N must be a multiple of
     G and T x C must cover an episode; the curve's group_signal is the share of groups whose envs ended differently
-    (rank 0's groups under torchrun). 1: GAE"""
+    (over every rank's groups under torchrun). 1: GAE"""
     norm_reward: bool = False
     """divide rewards by the running std of the discounted return (cleanrl's NormalizeReward): with dense rewards
     (MuJoCo) returns are tens, and value clipping lets a value move only --clip-coef per iteration (docs/rl.md)"""
@@ -669,9 +669,9 @@ def global_metrics(
 ) -> dict:
     """The iteration's row entries over all ranks (approx-KL and clip fraction are global per minibatch already)."""
     what = f"the metrics all-reduce (iteration {iteration})"
-    local = [len(successes), sum(successes), sum(returns_done), row["pg_loss"], row["v_loss"]]
+    local = [len(successes), sum(successes), sum(returns_done), row["pg_loss"], row["v_loss"], row["group_signal"]]
     sums = group.all_reduce_sum(torch.tensor(local, dtype=torch.float64, device=group.device), what).tolist()
-    episodes, wins, returns, pg_loss, v_loss = sums
+    episodes, wins, returns, pg_loss, v_loss, group_signal = sums
     values = torch.as_tensor(np.stack([y_pred, y_true]), device=group.device)
     y = group.all_gather(values, f"the value gather (iteration {iteration})").cpu().numpy()  # (G, 2, T*N)
     y_pred, y_true = y[:, 0].reshape(-1), y[:, 1].reshape(-1)
@@ -682,6 +682,7 @@ def global_metrics(
         "episodes": int(episodes),
         "pg_loss": pg_loss / group.world_size,  # the mean of equal-sized minibatch means
         "v_loss": v_loss / group.world_size,
+        "group_signal": group_signal / group.world_size,  # every rank has N / G groups (NaN stays NaN without them)
         "explained_variance": float("nan") if var_y == 0 else float(1 - np.var(y_true - y_pred) / var_y),
     }
 

@@ -102,15 +102,24 @@ def _assert_same_run(result: dict, weights: dict, reference: dict, ref_weights: 
         torch.testing.assert_close(w, ref_weights[name], rtol=1e-5, atol=1e-6, msg=name)  # measured: <= 5e-8
 
 
-@pytest.mark.parametrize("world", [2, pytest.param(3, marks=pytest.mark.slow)])  # 3 ranks on 2 cores: slow
-def test_ranks_equal_one_process_over_the_concatenated_envs(world, tmp_path):
+@pytest.mark.parametrize(
+    ("world", "group_size"),
+    [(2, 1), pytest.param(3, 1, marks=pytest.mark.slow), (2, 2)],  # 3 ranks on 2 cores: slow
+    ids=["2-ranks", "3-ranks", "2-ranks-groups"],
+)
+def test_ranks_equal_one_process_over_the_concatenated_envs(world, group_size, tmp_path):
     ppo = _ppo_module()
     n = 2
     eval_episodes = 2 * world * n  # two rounds of every env (the target task ends every episode after one step)
-    reference = ppo.train(_args(ppo, num_envs=world * n, eval_episodes=eval_episodes, csv=None))
+    common = dict(eval_episodes=eval_episodes, csv=None, group_size=group_size)  # groups: within a rank's envs
+    if group_size > 1:
+        common["seed"] = 2  # iteration 1: one rank's group ends alike, the other's not (group_signal 0.5)
+    reference = ppo.train(_args(ppo, num_envs=world * n, **common))
     ref_weights = {n: p.detach().float().clone() for n, p in reference["trainer"].trainable_parameters()}
+    if group_size > 1:  # so the ranks must pool their groups' signal to match the one process
+        assert reference["curve"][0]["group_signal"] == 0.5
 
-    settings = {**vars(_args(ppo, num_envs=n, eval_episodes=eval_episodes, csv=None))}  # no plot: the CSV is below
+    settings = {**vars(_args(ppo, num_envs=n, **common))}  # no plot: the CSV is below
     settings = {k: v for k, v in settings.items() if k not in ("batch_size", "minibatch_size")}  # derived fields
     procs = _launch(world, settings, tmp_path)
     assert [p.exitcode for p in procs] == [0] * world

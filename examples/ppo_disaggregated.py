@@ -2,8 +2,9 @@
 
 Ranks 0..T-1 train (`--trainer-ranks T`), ranks T..T+R-1 run N envs each with a rollout policy. One iteration:
 
-1. every rollout rank collects T_steps x N samples, computes GAE with its own critic values and sends the batch
-   (`RolloutBatch` with the kept prefix K/V, advantages, returns, episode statistics) to its trainer
+1. every rollout rank collects T_steps x N samples, computes GAE with its own critic values (or, with
+   `--group-size G`, group-relative advantages from G envs per start state: `phyai_gym.train.groups`) and sends
+   the batch (`RolloutBatch` with the kept prefix K/V, advantages, returns, episode statistics) to its trainer
    (`phyai_gym.train.rollout_transport`: point-to-point tensors, no pickle); rollout rank T + i feeds trainer i % T;
 2. each trainer runs the PPO epochs over the batches it received (T > 1: gradients averaged over the trainers);
 3. trainer 0 broadcasts its trainable weights to every rank with `broadcast_weights` (one all-reduce vote):
@@ -42,6 +43,7 @@ from phyai_gym.make import SMALL_CONFIGS, make_env, make_policy
 from phyai_gym.threads import configure_threads
 from phyai_gym.train.dataclass_cli import parse_dataclass
 from phyai_gym.train.distributed import average_gradients_
+from phyai_gym.train.groups import FirstEpisodes, grouped_reset_seeds
 from phyai_gym.train.master_weights import MasterWeights
 from phyai_gym.train.ppo_math import gae, ppo_loss
 from phyai_gym.train.rollout_transport import recv_rollout, send_rollout
@@ -112,7 +114,12 @@ class Args:
     update_epochs: int = 4
     """epochs over each batch"""
     norm_adv: bool = True
-    """normalise advantages per minibatch"""
+    """normalise advantages per minibatch (GAE's; --group-size's advantages are normalised per group)"""
+    group_size: int = 1
+    """G > 1: group-relative advantages (GRPO's) instead of GAE's, as in examples/ppo_pi05.py: every collection
+    starts from a reset in which each G consecutive envs of a rollout rank share one state and draw their own
+    noise, and a chunk's advantage comes from its env's first-episode return against its group's
+    (`phyai_gym.train.groups`). N must be a multiple of G and T x C must cover an episode. 1: GAE"""
     clip_coef: float = 0.2
     """surrogate clipping coefficient"""
     clip_vloss: bool = True
@@ -144,6 +151,9 @@ class Args:
             )
         if self.learning_rate is None:
             self.learning_rate = 3e-3 if self.config in SMALL_CONFIGS and self.checkpoint is None else 5e-6
+        if self.group_size < 1 or self.num_envs % self.group_size:
+            raise ValueError(f"--group-size: expected G >= 1 dividing --num-envs {self.num_envs}, got "
+                             f"{self.group_size!r}. Fix: pass e.g. --group-size 8 with --num-envs 64.")  # fmt: skip
         self.batch_size = self.num_envs * self.num_steps
 
 
@@ -324,7 +334,8 @@ def _update(args: Args, trainer: Pi05Policy, master: MasterWeights, optimizer: t
             new = trainer.evaluate(batch.select(mb))
             out = ppo_loss(new.log_prob, new.values, new.entropy, batch.log_prob[mb], batch.values[mb],
                            extras["advantages"][mb], extras["returns"][mb], clip_coef=args.clip_coef,
-                           clip_vloss=args.clip_vloss, norm_adv=args.norm_adv, ent_coef=args.ent_coef,
+                           clip_vloss=args.clip_vloss, norm_adv=args.norm_adv and args.group_size == 1,
+                           ent_coef=args.ent_coef,
                            vf_coef=args.vf_coef)  # fmt: skip
             first_kl = out["approx_kl"] if first_kl is None else first_kl  # ~0 when the batch's weights are ours
             optimizer.zero_grad()
@@ -350,7 +361,8 @@ def _rollout(args: Args, layout: Layout) -> dict:
     target = args.env == "target"
     env_kwargs = {"num_targets": args.num_targets, "episode_length": args.episode_length} if target else {}
     envs = PolicyVectorEnv(make_env(args.env, args.num_envs, **env_kwargs), policy, action_chunk=args.action_chunk)
-    collector = Collector(envs, args, device, seed=args.seed + 1000 * index)
+    collector = Collector(envs, args, device, seed=args.seed + 1000 * index, rank=index,
+                          ranks=layout.world_size - layout.trainer_ranks)  # fmt: skip
     rows, pending = [], None if aborted else collector.collect()
     for iteration in range(1, args.total_iterations + 1):
         if aborted:
@@ -372,7 +384,11 @@ def _rollout(args: Args, layout: Layout) -> dict:
 
 
 class Collector:
-    """A rollout rank's (T, N) rollout with GAE: what it sends to its trainer.
+    """A rollout rank's (T, N) rollout with GAE's advantages, or group-relative ones (--group-size): what it sends.
+
+    `rank` of `ranks` is this rollout rank's index among the rollout ranks: with --group-size every collection
+    resets from seeds no other rank and no earlier collection used (`grouped_reset_seeds`); without it the envs are
+    reset once, from `seed`, and episodes run on across collections.
 
     Example:
         >>> batch, extras = Collector(envs, args, torch.device("cpu"), seed=1).collect()  # doctest: +SKIP
@@ -380,16 +396,24 @@ class Collector:
         ['advantages', 'episode_return', 'episode_success', 'returns']
     """
 
-    def __init__(self, envs: PolicyVectorEnv, args: Args, device: torch.device, seed: int) -> None:
+    def __init__(self, envs: PolicyVectorEnv, args: Args, device: torch.device, seed: int, rank: int = 0,
+                 ranks: int = 1) -> None:  # fmt: skip
         self.envs, self.args, self.device = envs, args, device
+        self.rank, self.ranks, self.collections = rank, ranks, 0
         shape = (args.num_steps, args.num_envs)
         self.rewards, self.dones, self.values = (torch.zeros(shape, device=device) for _ in range(3))
-        self.obs, _ = envs.reset(seed=seed)
+        self.obs = None if args.group_size > 1 else envs.reset(seed=seed)[0]
 
     @torch.no_grad()
     def collect(self) -> tuple[RolloutBatch, dict[str, torch.Tensor]]:
         """T policy calls per env: the samples (step-major) and advantages, returns, finished episodes' stats."""
         args, dev, samples, returns_done, successes = self.args, self.device, [], [], []
+        if args.group_size > 1:  # G envs a state, every env its own noise stream; fresh seeds every collection
+            n = args.num_envs
+            run_seed = args.seed + self.collections * self.ranks * n
+            self.obs, _ = self.envs.reset(**grouped_reset_seeds(run_seed, n, args.group_size, self.rank * n))
+        self.collections += 1
+        first_episodes = FirstEpisodes(args.num_steps, args.num_envs)
         for step in range(args.num_steps):
             self.obs, reward, terminated, truncated, infos = self.envs.step()  # the policy acts on `obs`
             out = self.envs.last_output
@@ -401,12 +425,15 @@ class Collector:
             self.rewards[step] = torch.as_tensor(reward, device=dev).float() + args.gamma * final_value * trunc
             self.dones[step] = torch.as_tensor(terminated | truncated, device=dev).float()
             if "episode" in infos:
-                ended = _numpy(infos["_episode"])
-                returns_done += _numpy(infos["episode"]["r"])[ended].tolist()
+                ended, episode_returns = _numpy(infos["_episode"]), _numpy(infos["episode"]["r"])
+                returns_done += episode_returns[ended].tolist()
+                first_episodes.record(step, ended, episode_returns)
                 successes += _numpy(infos["episode"]["success_once"])[ended].tolist()
         next_value = self.envs.policy.value(self.obs).to(dev)
         advantages, returns = gae(self.rewards, self.values, self.dones, next_value, gamma=args.gamma,
                                   gae_lambda=args.gae_lambda)  # fmt: skip
+        if args.group_size > 1:  # the critic still learns GAE's returns; the policy the group's advantages
+            advantages = first_episodes.advantages(args.group_size, dev, env_steps=args.num_steps * args.action_chunk)
         extras = {"advantages": advantages.reshape(-1), "returns": returns.reshape(-1),
                   "episode_return": torch.tensor(returns_done, dtype=torch.float32),
                   "episode_success": torch.tensor(successes, dtype=torch.float32)}  # fmt: skip

@@ -58,13 +58,13 @@ from phyai_gym.threads import configure_threads
 from phyai_gym.train.curves import CurveLog
 from phyai_gym.train.dataclass_cli import parse_dataclass
 from phyai_gym.train.distributed import GradientMean, ProcessGroup
+from phyai_gym.train.groups import FirstEpisodes, grouped_reset_seeds
 from phyai_gym.train.master_weights import MasterWeights
 from phyai_gym.train.ppo_math import (
     LOGPROB_REDUCTIONS,
     RewardNormalizer,
     clipped_losses,
     gae,
-    group_advantages,
     log_ratio,
     ratio_stats,
 )
@@ -439,10 +439,10 @@ def _train(args: Args, curves: CurveLog, group: ProcessGroup | None, resume_from
     obs = None
     times = {"rollout": 0.0, "train": 0.0, "sync": 0.0}
     for iteration in range(start, args.total_iterations + 1):
-        seed = args.seed + env_offset + (iteration - 1) * world * N  # env i: seed + i, fresh seeds every iteration
+        run_seed = args.seed + (iteration - 1) * world * N  # fresh every iteration; env i of all ranks': + i
+        seed = run_seed + env_offset  # this rank's env 0
         if args.group_size > 1:  # G envs a state: grouped env seeds, every env its own noise stream
-            env_seeds = args.seed + (iteration - 1) * world * N + (env_offset + np.arange(N)) // args.group_size
-            obs, _ = envs.reset(seed=env_seeds.tolist(), options={"stream_seeds": list(range(seed, seed + N))})
+            obs, _ = envs.reset(**grouped_reset_seeds(run_seed, N, args.group_size, env_offset))
         elif obs is None or args.reset_every_iteration:
             obs, _ = envs.reset(seed=seed)
         if args.anneal_lr:
@@ -453,8 +453,7 @@ def _train(args: Args, curves: CurveLog, group: ProcessGroup | None, resume_from
         # ---- rollout: T chunks per env with the rollout policy ---------------------------------------
         t0 = time.perf_counter()
         returns_done, successes, samples = [], [], []
-        first_episode = np.ones((T, N), dtype=np.float32)  # chunk t acted in its env's first episode
-        outcomes = np.full(N, np.nan)  # the first episode's return
+        first_episodes = FirstEpisodes(T, N)  # --group-size: each env's first episode, its chunks and return
         with torch.no_grad():
             for step in range(T):
                 obs, reward, terminated, truncated, infos = envs.step()  # the policy acts on `obs`
@@ -474,23 +473,14 @@ def _train(args: Args, curves: CurveLog, group: ProcessGroup | None, resume_from
                 if "episode" in infos:
                     ended, episode_returns = _numpy(infos["_episode"]), _numpy(infos["episode"]["r"])
                     returns_done += episode_returns[ended].tolist()
-                    first = ended & np.isnan(outcomes)
-                    outcomes[first] = episode_returns[first]
-                    first_episode[step + 1 :, first] = 0.0
+                    first_episodes.record(step, ended, episode_returns)
                     successes += _numpy(infos["episode"]["success_once"])[ended].tolist()
             next_value = policy.value(obs).to(device)  # V(s_T) for the unfinished envs
 
             # ---- GAE over chunk steps (the explicit backward loop: ppo_math.gae) -------------------------
             advantages, returns = gae(rewards, values, dones, next_value, gamma=args.gamma, gae_lambda=args.gae_lambda)
             if args.group_size > 1:
-                if np.isnan(outcomes).any():
-                    raise ValueError(
-                        f"--group-size: {int(np.isnan(outcomes).sum())} env(s) did not finish an episode in T x C = "
-                        f"{T * C} env steps, so their outcome is unknown. Fix: raise --num-steps until T x C covers "
-                        "the env's episode limit."
-                    )
-                outcome = torch.as_tensor(outcomes, dtype=torch.float32, device=device)
-                advantages = group_advantages(outcome, torch.as_tensor(first_episode, device=device), args.group_size)
+                advantages = first_episodes.advantages(args.group_size, device, env_steps=T * C)
         if device.type == "cuda":
             torch.cuda.synchronize(device)
         times["rollout"] += (t_rollout := time.perf_counter() - t0)
@@ -574,9 +564,7 @@ def _train(args: Args, curves: CurveLog, group: ProcessGroup | None, resume_from
             "clipfrac": float(torch.stack(clipfracs).mean()),
             "explained_variance": float(explained_var),
             # --group-size: the share of groups whose envs' outcomes differ (the others give no gradient)
-            "group_signal": float(np.ptp(outcomes.reshape(-1, args.group_size), axis=1).astype(bool).mean())
-            if args.group_size > 1
-            else float("nan"),
+            "group_signal": first_episodes.signal(args.group_size) if args.group_size > 1 else float("nan"),
             "sps": global_step / (time.perf_counter() - start_time),
             "time_rollout": t_rollout,
             "time_train": t_train,

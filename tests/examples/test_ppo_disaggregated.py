@@ -57,8 +57,9 @@ def column(result: dict[str, Any], key: str) -> list[Any]:
     return [row[key] for row in result["rows"]]
 
 
-def test_every_rank_commits_the_same_version_and_weights(tmp_path: Path) -> None:
-    results = run(tmp_path, total_iterations=2, overlap=True)
+@pytest.mark.parametrize("group_size", [1, 2], ids=["gae", "groups"])
+def test_every_rank_commits_the_same_version_and_weights(tmp_path: Path, group_size: int) -> None:
+    results = run(tmp_path, total_iterations=2, overlap=True, group_size=group_size)
     assert [res["role"] for res in results] == ["trainer", "rollout", "rollout"]
     for res in results:
         assert res["aborted"] is None and res["weight_version"] == 3  # v1 at the start, one commit per iteration
@@ -94,6 +95,26 @@ def test_a_nan_on_the_trainer_aborts_every_rank_and_the_run_stops(tmp_path: Path
     assert before == after == column(results[2], "weight_digest")[1] == column(results[0], "weight_digest")[0]
     assert column(results[0], "policy_lag") == [0, 0]  # --no-overlap: on-policy
     assert "rank 2 (rollout): weight sync aborted on every rank; stopping at version 2" in capfd.readouterr().out
+
+
+def test_group_mode_starts_every_collection_from_fresh_grouped_states_and_centres_each_group() -> None:
+    example = _example()
+    args = example["Args"](num_envs=4, num_steps=2, group_size=2, seed=3, denoise_steps=2, quiet=True)
+    policy, device, _ = example["_setup"](args, rank=1, trainer=False)
+    envs = example["PolicyVectorEnv"](example["make_env"]("target", 4, num_targets=2, episode_length=1), policy)
+    resets, real = [], envs.reset
+    envs.reset = lambda **kwargs: resets.append(kwargs) or real(**kwargs)
+    collector = example["Collector"](envs, args, device, seed=99, rank=1, ranks=2)  # the second of 2 rollout ranks
+    _, first = collector.collect()
+    collector.collect()
+    envs.close()
+    assert [r["seed"] for r in resets] == [[5, 5, 6, 6], [13, 13, 14, 14]]  # envs 4-7 of 8, then of the next 8
+    assert [r["options"]["stream_seeds"] for r in resets] == [[7, 8, 9, 10], [15, 16, 17, 18]]
+    advantages = first["advantages"].reshape(2, 4)  # (T, N): one-step episodes, each group split 1:1 at this seed
+    assert advantages[0].abs().tolist() == pytest.approx([0.7071] * 4, abs=1e-3) and advantages[1].abs().sum() == 0
+    assert advantages[0].reshape(2, 2).sum(dim=1).tolist() == pytest.approx([0.0, 0.0], abs=1e-6)  # centred per group
+    with pytest.raises(ValueError, match=r"--group-size: expected G >= 1 dividing --num-envs 4, got 3"):
+        example["Args"](num_envs=4, group_size=3)
 
 
 def test_a_layout_that_does_not_split_and_a_device_index_are_refused() -> None:

@@ -326,6 +326,7 @@ def save_weights(model: torch.nn.Module, path: str | os.PathLike) -> Path:
     tensors = {to_external_name(n): p.detach().to("cpu", copy=True) for n, p in model.named_parameters()}
     file = root / "model.safetensors"
     tmp = root / "model.safetensors.tmp"
-    save_file(tensors, str(tmp), metadata={"format": "pt", "layout": "lerobot_pi05"})
+    # one metadata key: safetensors writes several in hash-map order, so the same weights would differ in bytes
+    save_file(tensors, str(tmp), metadata={"format": "pt"})
     tmp.replace(file)
     return file

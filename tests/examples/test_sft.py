@@ -69,15 +69,12 @@ def test_sft_refuses_an_unknown_lr_schedule():
         sft.Args(lr_schedule="linear")
 
 
-def test_sft_with_one_seed_gives_the_same_tensors_twice(tmp_path):
-    from safetensors.torch import load_file
-
+def test_sft_with_one_seed_writes_the_same_checkpoint_twice(tmp_path):
     sft = _sft_module()
-    weights = []
+    files = []
     for run in ("a", "b"):
         sft.train(sft.Args(record_episodes=8, record_envs=8, demos=str(tmp_path / f"{run}.h5"), steps=10,
                            batch_size=8, log_every=10, csv=None, out=str(tmp_path / run), eval_episodes=0,
                            quiet=True))  # fmt: skip
-        weights.append(load_file(str(tmp_path / run / "model.safetensors")))
-    assert weights[0].keys() == weights[1].keys()
-    assert all(weights[0][k].equal(weights[1][k]) for k in weights[0])  # file bytes may differ: header key order
+        files.append((tmp_path / run / "model.safetensors").read_bytes())
+    assert files[0] == files[1]  # the weights, and the header too (so a checkpoint's hash identifies it)

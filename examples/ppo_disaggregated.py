@@ -43,7 +43,7 @@ from phyai_gym.make import SMALL_CONFIGS, make_env, make_policy
 from phyai_gym.threads import configure_threads
 from phyai_gym.train.dataclass_cli import parse_dataclass
 from phyai_gym.train.distributed import average_gradients_
-from phyai_gym.train.groups import FirstEpisodes, grouped_reset_seeds
+from phyai_gym.train.groups import FirstEpisodes, check_group_size, grouped_reset_seeds
 from phyai_gym.train.master_weights import MasterWeights
 from phyai_gym.train.ppo_math import gae, ppo_loss
 from phyai_gym.train.rollout_transport import recv_rollout, send_rollout
@@ -151,9 +151,7 @@ class Args:
             )
         if self.learning_rate is None:
             self.learning_rate = 3e-3 if self.config in SMALL_CONFIGS and self.checkpoint is None else 5e-6
-        if self.group_size < 1 or self.num_envs % self.group_size:
-            raise ValueError(f"--group-size: expected G >= 1 dividing --num-envs {self.num_envs}, got "
-                             f"{self.group_size!r}. Fix: pass e.g. --group-size 8 with --num-envs 64.")  # fmt: skip
+        check_group_size(self.group_size, self.num_envs)
         self.batch_size = self.num_envs * self.num_steps
 
 

@@ -58,7 +58,7 @@ from phyai_gym.threads import configure_threads
 from phyai_gym.train.curves import CurveLog
 from phyai_gym.train.dataclass_cli import parse_dataclass
 from phyai_gym.train.distributed import GradientMean, ProcessGroup
-from phyai_gym.train.groups import FirstEpisodes, grouped_reset_seeds
+from phyai_gym.train.groups import FirstEpisodes, check_group_size, grouped_reset_seeds
 from phyai_gym.train.master_weights import MasterWeights
 from phyai_gym.train.ppo_math import (
     LOGPROB_REDUCTIONS,
@@ -225,9 +225,7 @@ class Args:
         self.minibatch_size = self.batch_size // self.num_minibatches
         if self.minibatch_size < 1:
             raise ValueError(f"num_minibatches ({self.num_minibatches}) > batch_size ({self.batch_size}).")
-        if self.group_size < 1 or self.num_envs % self.group_size:
-            raise ValueError(f"--group-size: expected G >= 1 dividing --num-envs {self.num_envs}, got "
-                             f"{self.group_size!r}. Fix: pass e.g. --group-size 8 with --num-envs 64.")  # fmt: skip
+        check_group_size(self.group_size, self.num_envs)
         if self.target_kl is not None and not self.target_kl > 0:
             raise ValueError(f"--target-kl: expected an approx-KL > 0, got {self.target_kl!r}. Fix: pass e.g. 0.5.")
         if self.save_every < 0 or (self.save_every and self.run_dir is None and self.resume is None):

@@ -14,6 +14,13 @@ import torch
 from phyai_gym.train.ppo_math import group_advantages
 
 
+def check_group_size(group_size: int, num_envs: int) -> None:
+    """Refuse a `--group-size` that does not split a process's `num_envs` into whole groups (1: no groups)."""
+    if group_size < 1 or num_envs % group_size:
+        raise ValueError(f"--group-size: expected G >= 1 dividing --num-envs {num_envs}, got {group_size!r}. Fix: pass "
+                         "e.g. --group-size 8 with --num-envs 64.")  # fmt: skip
+
+
 def grouped_reset_seeds(first_seed: int, num_envs: int, group_size: int, env_offset: int = 0) -> dict:
     """`PolicyVectorEnv.reset` keywords for a group-relative rollout of this process's `num_envs` envs.
 

@@ -98,6 +98,11 @@ class Args:
     resumed run keeps the schedule it was started with)"""
     noise_level: float = 0.5
     """PPO's flow-SDE noise level (exploration)"""
+    ppo_trainable: str = "expert"
+    """PPO's --trainable: "expert" (the SFT prefix frozen, the critic reads it) or "all" (the vision tower and LM
+    learn too; pair with --vf-coef 0 under --group-size, or the critic's loss moves the features the actor reads)"""
+    vf_coef: float = 0.5
+    """PPO's --vf-coef (the critic is unused by group-relative advantages)"""
     group_size: int = 1
     """PPO's --group-size: G > 1 takes group-relative advantages (G envs from one state) instead of GAE's"""
     reward_mode: str = "sparse"
@@ -119,6 +124,7 @@ class Args:
         ppo = (f"ppo N={self.num_envs} T={self.num_steps} lr={self.learning_rate:g}/{self.value_lr:g}"
                + (" annealed" if self.anneal_lr else "") + (f" kl<={self.target_kl:g}" if self.target_kl else "")
                + f" a={self.noise_level:g} {self.reward_mode}"
+               + (f" trainable={self.ppo_trainable} vf={self.vf_coef:g}" if self.ppo_trainable != "expert" else "")
                + (f" G={self.group_size}" if self.group_size > 1 else ""))  # fmt: skip
         return (f"{self.policy_config},{self.image_size}px,{self.cameras},C={self.action_chunk},K={self.denoise_steps},"
                 f"sft={self.sft_trainable},sft_steps={self.sft_steps},dart={self.demo_noise:g},{ppo}")  # fmt: skip
@@ -176,6 +182,7 @@ def one_seed(args: Args, seed: int, work: Path) -> dict:
                                  "--learning-rate", str(args.learning_rate), "--value-lr",
                                  str(args.value_lr), "--noise-level", str(args.noise_level), "--reward-mode",
                                  args.reward_mode, "--group-size", str(args.group_size),
+                                 "--trainable", args.ppo_trainable, "--vf-coef", str(args.vf_coef),
                                  "--anneal-lr" if args.anneal_lr else "--no-anneal-lr",
                                  *(["--target-kl", str(args.target_kl)] if args.target_kl is not None else []),
                                  "--eval-episodes", "0"])  # fmt: skip

@@ -31,6 +31,7 @@ def test_a_rerun_in_the_same_work_dir_keeps_the_sft_and_resumes_ppo(tmp_path):
     work = tmp_path / "work" / "seed1"
     args = real_task_rl.Args(seeds=1, demos=2, sft_steps=2, image_size=16, ppo_iterations=1, save_every=1,
                              num_envs=2, num_steps=2, eval_episodes=2, eval_envs=2, anneal_lr=True, target_kl=0.5,
+                             ppo_trainable="all", vf_coef=0.0,
                              work_dir=str(tmp_path / "work"), out=str(tmp_path))  # fmt: skip
     first = real_task_rl.run(args)[0]
     weights = (work / "sft" / "model.safetensors").read_bytes()
@@ -41,5 +42,6 @@ def test_a_rerun_in_the_same_work_dir_keeps_the_sft_and_resumes_ppo(tmp_path):
     assert int(real_task_rl.latest_checkpoint(work / "ppo").name) == 2 and (work / "eval_ppo_2").is_dir()
     ppo_args = json.loads((work / "ppo" / "args.json").read_text())  # reached PPO, kept on resume
     assert ppo_args["anneal_lr"] is True and ppo_args["target_kl"] == 0.5
-    assert " annealed kl<=0.5 " in second["config"]
+    assert ppo_args["trainable"] == "all" and ppo_args["vf_coef"] == 0.0
+    assert " annealed kl<=0.5 " in second["config"] and " trainable=all vf=0" in second["config"]
     assert second["ppo_iteration_s"] > first["ppo_iteration_s"] > 0  # both starts' iterations, from the curve

@@ -42,6 +42,8 @@ from phyai_gym.evaluation import EPISODES_FILE, read_jsonl, wilson_interval
 from phyai_gym.train.curves import plot_curves
 from phyai_gym.train.dataclass_cli import parse_dataclass
 from phyai_gym.train.training_state import latest_checkpoint
+from policies.base import TRAINABLE
+from policies.checks import check_choice, check_float
 
 BENCH = "real_task_rl"
 ROOT = Path(__file__).resolve().parents[1]
@@ -118,13 +120,19 @@ class Args:
     out: str | None = None
     """folder of the JSONL and the plots (None: benchmarks/results/ and benchmarks/plots/)"""
 
+    def __post_init__(self) -> None:  # PPO's own checks would refuse these only after the SFT and its evaluation
+        check_choice("--sft-trainable", self.sft_trainable, TRAINABLE)
+        check_choice("--ppo-trainable", self.ppo_trainable, TRAINABLE)
+        check_float("--vf-coef", self.vf_coef, 0.0, fix="0 under --group-size (the critic unused), else e.g. 0.5")
+
     @property
     def config(self) -> str:
         """The recipe in one string (the rows' ``config`` field)."""
         ppo = (f"ppo N={self.num_envs} T={self.num_steps} lr={self.learning_rate:g}/{self.value_lr:g}"
                + (" annealed" if self.anneal_lr else "") + (f" kl<={self.target_kl:g}" if self.target_kl else "")
                + f" a={self.noise_level:g} {self.reward_mode}"
-               + (f" trainable={self.ppo_trainable} vf={self.vf_coef:g}" if self.ppo_trainable != "expert" else "")
+               + (f" trainable={self.ppo_trainable}" if self.ppo_trainable != "expert" else "")
+               + (f" vf={self.vf_coef:g}" if self.vf_coef != 0.5 else "")
                + (f" G={self.group_size}" if self.group_size > 1 else ""))  # fmt: skip
         return (f"{self.policy_config},{self.image_size}px,{self.cameras},C={self.action_chunk},K={self.denoise_steps},"
                 f"sft={self.sft_trainable},sft_steps={self.sft_steps},dart={self.demo_noise:g},{ppo}")  # fmt: skip

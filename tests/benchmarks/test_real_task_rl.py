@@ -45,3 +45,10 @@ def test_a_rerun_in_the_same_work_dir_keeps_the_sft_and_resumes_ppo(tmp_path):
     assert ppo_args["trainable"] == "all" and ppo_args["vf_coef"] == 0.0
     assert " annealed kl<=0.5 " in second["config"] and " trainable=all vf=0" in second["config"]
     assert second["ppo_iteration_s"] > first["ppo_iteration_s"] > 0  # both starts' iterations, from the curve
+
+
+@pytest.mark.parametrize("flags", [{"ppo_trainable": "prefix"}, {"sft_trainable": "none"}, {"vf_coef": -0.5}])
+def test_bad_ppo_flags_are_refused_when_the_args_are_built(flags):
+    name = "--" + next(iter(flags)).replace("_", "-")
+    with pytest.raises(ValueError, match=name):
+        real_task_rl.Args(**flags)  # not after the SFT, where PPO would refuse them

@@ -62,6 +62,7 @@ def health_row(curve: list[dict[str, Any]], args: Any, final: dict[str, float] |
         "device": args.device,
         "lr": args.learning_rate,
         "value_lr": args.value_lr,
+        "target_kl": args.target_kl if args.target_kl is not None and math.isfinite(args.target_kl) else None,
         "logprob_reduction": args.logprob_reduction,
         "seed": args.seed,
         "iterations": len(curve),

@@ -172,7 +172,9 @@ class Args:
     """gradient norm clip"""
     target_kl: float | None = None
     """end an update before the first minibatch step whose approx-KL (the weights so far against the rollout's, on
-    that minibatch) is above this (one host sync a minibatch; None: every epoch runs)"""
+    that minibatch) is above this (one host sync a minibatch). Default: none for the tiny config (every epoch runs);
+    0.1 for the base config and checkpoints, twice the health bound, so an iteration whose KL runs away stops there
+    (Spinning Up's PPO stops at 1.5 x its target; docs/rl.md); inf: every epoch runs"""
     # Reporting
     eval_episodes: int = 256
     """episodes of the final success-rate measurement (stochastic and deterministic); 0 skips it"""
@@ -218,6 +220,8 @@ class Args:
             self.learning_rate = 3e-3 if tiny else 5e-6
         if self.value_lr is None:
             self.value_lr = self.learning_rate if tiny else 1e-4
+        if self.target_kl is None and not tiny:
+            self.target_kl = 0.1
         if self.logprob_reduction not in LOGPROB_REDUCTIONS:
             raise ValueError(f"--logprob-reduction: expected one of {', '.join(LOGPROB_REDUCTIONS)}, got "
                              f"{self.logprob_reduction!r}. Fix: pass e.g. --logprob-reduction element.")  # fmt: skip

@@ -110,6 +110,9 @@ def test_target_kl_ends_the_update_before_a_step_past_it(tmp_path):
     stopped = ppo.train(ppo.Args(**common, target_kl=1e-6))["curve"]
     assert [row["update_steps"] for row in stopped] == [1, 1]  # after one step every minibatch is past 1e-6
     assert all(row["approx_kl"] > 1e-6 >= row["approx_kl_first"] for row in stopped)
+    # the default stop: none for the tiny config, 0.1 for base-sized policies; inf switches it off
+    assert ppo.Args().target_kl is None and ppo.Args(config="base").target_kl == 0.1
+    assert ppo.parse_args(["--config", "base", "--target-kl", "inf"]).target_kl == float("inf")
     message = r"^--target-kl: expected an approx-KL > 0, got 0\.0\. Fix: pass e\.g\. 0\.5\.$"
     with pytest.raises(ValueError, match=message):
         ppo.Args(target_kl=0.0)

@@ -94,8 +94,8 @@ class Args:
     value_lr: float = 3e-3
     """PPO value-head learning rate"""
     target_kl: float | None = None
-    """PPO's --target-kl: end an update at the first minibatch whose approx-KL is above it (None: PPO's default for a checkpoint, 0.1; the recipe's
-    updates stay near 1e-4)"""
+    """PPO's --target-kl: end an update at the first minibatch whose approx-KL is above it (None: PPO's default
+    for a checkpoint, 0.1; the recipe's updates stay near 1e-4)"""
     anneal_lr: bool = False
     """PPO's --anneal-lr: both learning rates fall linearly to 0 over --ppo-iterations (fixed when PPO starts: a
     resumed run keeps the schedule it was started with)"""

@@ -135,7 +135,8 @@ TABLES: dict[str, Table] = {
                            "eval_episodes")),
     "libero_gpu_rollout": Table(("suite", "protocol", "policy", "num_envs", "groups", "render"),
                                 ("env_steps_per_s", "policy_ms_per_chunk", "env_ms_per_chunk", "policy_share")),
-    "ppo_health": Table(("config", "env", "action_chunk", "lr", "logprob_reduction", "flags", "seed"),
+    "ppo_health": Table(("config", "env", "action_chunk", "lr", "target_kl", "logprob_reduction", "flags", "iterations",
+                         "seed"),
                         ("approx_kl_mean", "approx_kl_chunk_mean", "clipfrac_mean", "explained_variance", "healthy",
                          "success_deterministic")),
 }

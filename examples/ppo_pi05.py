@@ -19,7 +19,8 @@ episodes are bootstrapped with the critic on their final observation (``infos["p
     python examples/ppo_pi05.py --help                          # every flag, its meaning and default
 
 Issue 40's defaults (docs/rl.md): one clipped ratio per Gaussian element of the chunk (``--logprob-reduction``),
-the actor at 5e-6 and the value head at 1e-4 (``--value-lr``) for the base config. ``--run-dir DIR`` keeps the curve
+the actor at 5e-6, the value head at 1e-4 (``--value-lr``) and an update stopped at approx-KL 0.1 (``--target-kl``)
+for the base config. ``--run-dir DIR`` keeps the curve
 and checkpoints in LeRobot's layout (``DIR/checkpoints/<iteration>/pretrained_model`` loads with `make_policy`),
 ``--resume DIR`` continues a run, ``--tensorboard`` logs beside the CSV.
 

@@ -441,6 +441,7 @@ def _train(args: Args, curves: CurveLog, group: ProcessGroup | None, resume_from
     start_time = time.perf_counter()
     obs = None
     times = {"rollout": 0.0, "train": 0.0, "sync": 0.0}
+    kl_stop = args.target_kl is not None and np.isfinite(args.target_kl)  # inf: no stop, no host sync
     for iteration in range(start, args.total_iterations + 1):
         run_seed = args.seed + (iteration - 1) * world * N  # fresh every iteration; env i of all ranks': + i
         seed = run_seed + env_offset  # this rank's env 0
@@ -518,7 +519,7 @@ def _train(args: Args, curves: CurveLog, group: ProcessGroup | None, resume_from
                 clipfracs.append(clipfrac)
                 kls.append(approx_kl)
                 chunk_kls.append(chunk_kl)
-            if args.target_kl is not None and approx_kl.item() > args.target_kl:
+            if kl_stop and approx_kl.item() > args.target_kl:
                 break
             if args.norm_adv and args.group_size == 1:
                 mb_adv = (mb_adv - adv_mean) / (adv_std + 1e-8)

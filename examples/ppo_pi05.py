@@ -520,6 +520,7 @@ def _train(args: Args, curves: CurveLog, group: ProcessGroup | None, resume_from
                 kls.append(approx_kl)
                 chunk_kls.append(chunk_kl)
             if kl_stop and approx_kl.item() > args.target_kl:
+                del new, mb_log_ratio  # their autograd graph would stay alive through the next rollout
                 break
             if args.norm_adv and args.group_size == 1:
                 mb_adv = (mb_adv - adv_mean) / (adv_std + 1e-8)

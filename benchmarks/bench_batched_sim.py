@@ -144,7 +144,8 @@ def startup_rows(task: str, image_size: int, device: torch.device, out: Path | N
 
 
 def ppo(task: str, n: int, config: str, chunk: int, iterations: int, device: torch.device, out: Path | None) -> None:
-    """Runs the PPO example on the task and writes one row from its CSV."""
+    """Runs the PPO example on the task and writes one row from its CSV (the default 2 minibatches of 128 samples,
+    each as micro-batches of 32: the whole minibatch's activations with two 224 px cameras do not fit 80 GB)."""
     import csv
     import math
 
@@ -152,7 +153,7 @@ def ppo(task: str, n: int, config: str, chunk: int, iterations: int, device: tor
         curve = Path(folder) / "curve.csv"
         argv = ["ppo_pi05.py", "--env", f"mjwarp_{task}", "--config", config, "--device", str(device),
                 "--num-envs", str(n), "--num-steps", "4", "--action-chunk", str(chunk), "--total-iterations",
-                str(iterations), "--num-minibatches", "8", "--eval-episodes", "0", "--csv", str(curve)]  # fmt: skip
+                str(iterations), "--micro-batch-size", "32", "--eval-episodes", "0", "--csv", str(curve)]  # fmt: skip
         started, saved = time.perf_counter(), sys.argv
         try:  # the example as a user runs it, in this process
             sys.argv = argv
@@ -165,8 +166,8 @@ def ppo(task: str, n: int, config: str, chunk: int, iterations: int, device: tor
     mean = lambda key: sum(float(r[key]) for r in rows) / len(rows)  # noqa: E731
     write_rows(BENCH, [dict(
         kind="ppo",
-        sim="mujoco_warp", task=task, config=config, num_envs=n, chunk=chunk, num_steps=4, num_minibatches=8,
-        iterations=len(rows),
+        sim="mujoco_warp", task=task, config=config, num_envs=n, chunk=chunk, num_steps=4, num_minibatches=2,
+        micro_batch_size=32, iterations=len(rows),
         finite=all(math.isfinite(x) for x in numbers), wall_s=wall, rollout_s_mean=mean("time_rollout"),
         update_s_mean=mean("time_train"), sync_s_mean=mean("time_sync"), approx_kl_mean=mean("approx_kl"),
         clipfrac_mean=mean("clipfrac"), explained_variance_last=float(rows[-1]["explained_variance"]),

@@ -67,7 +67,6 @@ from phyai_gym.train.ppo_math import (
     clipped_losses,
     gae,
     log_ratio,
-    ratio_stats,
 )
 from phyai_gym.train.training_state import TrainingState, latest_checkpoint
 from policies.pi05.batch import RolloutBatch
@@ -147,6 +146,10 @@ class Args:
     """GAE lambda"""
     num_minibatches: int = 2
     """minibatches per epoch (under torchrun each rank shuffles its own samples: a minibatch is stratified by rank)"""
+    micro_batch_size: int | None = None
+    """samples per forward and backward within a minibatch (None: the whole minibatch at once); the micro-batches'
+    gradients add up to the minibatch's, so the update is the same (up to float summation order) in less memory.
+    Must divide the minibatch size (per rank under torchrun)"""
     update_epochs: int = 4
     """epochs over each rollout"""
     norm_adv: bool = True
@@ -230,6 +233,12 @@ class Args:
         self.minibatch_size = self.batch_size // self.num_minibatches
         if self.minibatch_size < 1:
             raise ValueError(f"num_minibatches ({self.num_minibatches}) > batch_size ({self.batch_size}).")
+        if self.micro_batch_size is not None and not (
+            0 < self.micro_batch_size <= self.minibatch_size and self.minibatch_size % self.micro_batch_size == 0
+        ):
+            raise ValueError(f"--micro-batch-size: expected a divisor of the minibatch size {self.minibatch_size} "
+                             f"(num_envs x num_steps / num_minibatches), got {self.micro_batch_size!r}. Fix: pass "
+                             f"e.g. --micro-batch-size {max(1, self.minibatch_size // 2)}.")  # fmt: skip
         check_group_size(self.group_size, self.num_envs)
         if self.target_kl is not None and not self.target_kl > 0:
             raise ValueError(f"--target-kl: expected an approx-KL > 0, got {self.target_kl!r}. Fix: pass e.g. 0.5.")
@@ -498,42 +507,39 @@ def _train(args: Args, curves: CurveLog, group: ProcessGroup | None, resume_from
         t0 = time.perf_counter()
         clipfracs, kls, chunk_kls, steps = [], [], [], 0  # per minibatch; optimizer steps taken
         pg_loss = v_loss = torch.full((), float("nan"))  # an update stopped before its first step
+        micro = args.micro_batch_size or args.minibatch_size
         for mb_idx in shuffled_minibatches(args.batch_size, args.update_epochs, args.minibatch_size):
             mb = torch.as_tensor(mb_idx, device=device)
-            # differentiable log-probs and values (on a GPU: forward and backward replayed as CUDA graphs)
-            new = trainer.evaluate(b_samples.select(mb), cuda_graphs=args.trainer_cuda_graphs)
-            # (B, G) log-ratios: G = 1 (sum, mean), C (action) or C x A (element) clipped ratios per sample
-            mb_log_ratio = log_ratio(new.log_prob_elements, b_log_probs[mb], args.logprob_reduction)
+            what = f"the minibatch statistics all-reduce (iteration {iteration})"
             mb_adv = b_advantages[mb]
-            with torch.no_grad():
-                chunk_log_ratio = (new.log_prob_elements - b_log_probs[mb]).sum(dim=(1, 2))  # the whole chunk's
-                if group is None:
-                    approx_kl, clipfrac = ratio_stats(mb_log_ratio, args.clip_coef)  # no host sync
-                    chunk_kl, _ = ratio_stats(chunk_log_ratio, args.clip_coef)
-                    adv_mean, adv_std = mb_adv.mean(), mb_adv.std()
-                else:  # over every rank's share of the minibatch: one all-reduce of sums
-                    what = f"the minibatch statistics all-reduce (iteration {iteration})"
-                    approx_kl, chunk_kl, clipfrac, adv_mean, adv_std = global_minibatch_stats(
-                        group, mb_log_ratio, chunk_log_ratio, mb_adv, args.clip_coef, what
-                    )
-                clipfracs.append(clipfrac)
-                kls.append(approx_kl)
-                chunk_kls.append(chunk_kl)
-            if kl_stop and approx_kl.item() > args.target_kl:
-                del new, mb_log_ratio  # their autograd graph would stay alive through the next rollout
-                break
-            if args.norm_adv and args.group_size == 1:
+            if args.norm_adv and args.group_size == 1:  # over every rank's share of the minibatch
+                adv_mean, adv_std = advantage_stats(mb_adv, group, what)
                 mb_adv = (mb_adv - adv_mean) / (adv_std + 1e-8)
-
-            # clipped surrogate (every ratio with its sample's advantage) and clipped value loss
-            pg_loss, v_loss = clipped_losses(mb_log_ratio, new.values, b_values[mb], mb_adv, b_returns[mb],
-                                             clip_coef=args.clip_coef, clip_vloss=args.clip_vloss)  # fmt: skip
-            entropy_loss = new.entropy.mean()
-            loss = pg_loss - args.ent_coef * entropy_loss + v_loss * args.vf_coef
-
+            # forward and backward per micro-batch: their gradients add up to the minibatch's mean loss's
             optimizer.zero_grad()
-            loss.backward()
-            master.grads_to_masters()  # float32 gradients of the float32 master weights
+            sums, mb_pg, mb_v = 0.0, 0.0, 0.0
+            for part, part_adv in zip(mb.split(micro), mb_adv.split(micro), strict=True):
+                # differentiable log-probs and values (on a GPU: forward and backward replayed as CUDA graphs)
+                new = trainer.evaluate(b_samples.select(part), cuda_graphs=args.trainer_cuda_graphs)
+                # (B, G) log-ratios: G = 1 (sum, mean), C (action) or C x A (element) clipped ratios per sample
+                part_log_ratio = log_ratio(new.log_prob_elements, b_log_probs[part], args.logprob_reduction)
+                with torch.no_grad():
+                    chunk_log_ratio = (new.log_prob_elements - b_log_probs[part]).sum(dim=(1, 2))  # whole chunk's
+                    sums = sums + ratio_sums(part_log_ratio, chunk_log_ratio, args.clip_coef)
+                # clipped surrogate (every ratio with its sample's advantage) and clipped value loss
+                pg, v = clipped_losses(part_log_ratio, new.values, b_values[part], part_adv, b_returns[part],
+                                       clip_coef=args.clip_coef, clip_vloss=args.clip_vloss)  # fmt: skip
+                share = len(part) / len(mb)
+                ((pg - args.ent_coef * new.entropy.mean() + v * args.vf_coef) * share).backward()
+                master.grads_to_masters(accumulate=True)  # summed in float32 on the masters
+                mb_pg, mb_v = mb_pg + pg.detach() * share, mb_v + v.detach() * share
+            approx_kl, chunk_kl, clipfrac = finish_ratio_stats(sums, group, what)
+            clipfracs.append(clipfrac)
+            kls.append(approx_kl)
+            chunk_kls.append(chunk_kl)
+            if kl_stop and approx_kl.item() > args.target_kl:  # this minibatch's gradients are not applied
+                break
+            pg_loss, v_loss = mb_pg, mb_v
             if grad_mean is not None:  # their mean over the ranks: every rank takes the same step
                 grad_mean(master.parameters(), f"the gradient all-reduce (iteration {iteration})")
             torch.nn.utils.clip_grad_norm_(master.parameters(), args.max_grad_norm)
@@ -628,27 +634,34 @@ def shuffled_minibatches(batch_size: int, epochs: int, minibatch_size: int):
             yield b_idx[start : start + minibatch_size]
 
 
-def global_minibatch_stats(
-    group: ProcessGroup,
-    log_ratio: torch.Tensor,
-    chunk_log_ratio: torch.Tensor,
-    adv: torch.Tensor,
-    clip_coef: float,
-    what: str,
-) -> tuple[torch.Tensor, ...]:
-    """approx-KL (of the (B, G) ratios and of the whole chunks), clip fraction, advantage mean and (unbiased) std
-    over the global minibatch: one all-reduce."""
-    log_ratio, chunk_log_ratio, adv = log_ratio.double(), chunk_log_ratio.double(), adv.double()
+def advantage_stats(adv: torch.Tensor, group: ProcessGroup | None, what: str) -> tuple[torch.Tensor, torch.Tensor]:
+    """Mean and (unbiased) std of a minibatch's advantages, over every rank's share under torchrun (one all-reduce)."""
+    if group is None:
+        return adv.mean(), adv.std()
+    a = adv.double()
+    n, total, sumsq = group.all_reduce_sum(torch.stack([torch.ones_like(a).sum(), a.sum(), (a * a).sum()]), what)
+    mean = total / n
+    return mean.float(), ((sumsq - n * mean * mean).clamp(min=0.0) / (n - 1)).sqrt().float()
+
+
+def ratio_sums(log_ratio: torch.Tensor, chunk_log_ratio: torch.Tensor, clip_coef: float) -> torch.Tensor:
+    """Sums that micro-batches and ranks add up: samples, ratios, k3 approx-KL of the (B, G) ratios and of the whole
+    chunks, clipped ratios (`finish_ratio_stats` turns them into means)."""
+    log_ratio, chunk_log_ratio = log_ratio.double(), chunk_log_ratio.double()
     ratio = log_ratio.exp()
-    sums = torch.stack([
-        torch.ones_like(adv).sum(), torch.ones_like(ratio).sum(), ((ratio - 1) - log_ratio).sum(),
+    return torch.stack([
+        torch.ones_like(chunk_log_ratio).sum(), torch.ones_like(ratio).sum(), ((ratio - 1) - log_ratio).sum(),
         (chunk_log_ratio.exp() - 1 - chunk_log_ratio).sum(), ((ratio - 1.0).abs() > clip_coef).double().sum(),
-        adv.sum(), (adv * adv).sum(),
     ])  # fmt: skip
-    n, g, kl, chunk_kl, clipped, adv_sum, adv_sumsq = group.all_reduce_sum(sums, what)
-    mean = adv_sum / n
-    std = ((adv_sumsq - n * mean * mean).clamp(min=0.0) / (n - 1)).sqrt()
-    return (kl / g).float(), (chunk_kl / n).float(), (clipped / g).float(), mean.float(), std.float()
+
+
+def finish_ratio_stats(sums: torch.Tensor, group: ProcessGroup | None, what: str) -> tuple[torch.Tensor, ...]:
+    """approx-KL (of the ratios and of the whole chunks) and clip fraction of a minibatch from its `ratio_sums`,
+    over every rank's share under torchrun (one all-reduce); detached, no host sync."""
+    if group is not None:
+        sums = group.all_reduce_sum(sums, what)
+    n, g, kl, chunk_kl, clipped = sums
+    return (kl / g).float(), (chunk_kl / n).float(), (clipped / g).float()
 
 
 def global_metrics(

@@ -41,16 +41,28 @@ class MasterWeights:
         """The float32 tensors the optimizer steps."""
         return self.masters
 
-    def grads_to_masters(self) -> None:
-        """Float32 copies of the model's gradients on the masters; the model's own gradients are released."""
-        pairs = [(m, p) for m, p in self._low if p.grad is not None]
+    def grads_to_masters(self, accumulate: bool = False) -> None:
+        """Float32 copies of the model's gradients on the masters; the model's own gradients are released.
+
+        With `accumulate`, a master that already has a gradient gets the model's added to it, in float32 (the
+        micro-batches of one minibatch: call it after each backward, zero the masters' gradients between steps).
+        """
+        copy, add = [], []
         for master, param in self._low:
             if param.grad is None:
-                master.grad = None
-            elif master.grad is None:
-                master.grad = torch.empty_like(master)
-        if pairs:  # one multi-tensor copy (and cast): hundreds of tensors, launch-bound one by one
-            torch._foreach_copy_([m.grad for m, _ in pairs], [p.grad for _, p in pairs])
+                if not accumulate:
+                    master.grad = None
+            elif accumulate and master.grad is not None:
+                add.append((master, param))
+            else:
+                if master.grad is None:
+                    master.grad = torch.empty_like(master)
+                copy.append((master, param))
+        # one multi-tensor op each (and cast): hundreds of tensors, launch-bound one by one
+        if copy:
+            torch._foreach_copy_([m.grad for m, _ in copy], [p.grad for _, p in copy])
+        if add:
+            torch._foreach_add_([m.grad for m, _ in add], [p.grad for _, p in add])
         for _, param in self._low:
             param.grad = None
 

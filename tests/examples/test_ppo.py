@@ -11,6 +11,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+import torch
 
 from wrappers.adapters.target_task import TargetEnv
 
@@ -116,3 +117,20 @@ def test_target_kl_ends_the_update_before_a_step_past_it(tmp_path):
     message = r"^--target-kl: expected an approx-KL > 0, got 0\.0\. Fix: pass e\.g\. 0\.5\.$"
     with pytest.raises(ValueError, match=message):
         ppo.Args(target_kl=0.0)
+
+
+def test_micro_batches_give_the_whole_minibatch_update():
+    ppo = _ppo_module()
+    common = dict(num_envs=8, num_steps=4, total_iterations=1, eval_episodes=0, csv=None, quiet=True)  # minibatch 16
+    whole = ppo.train(ppo.Args(**common))
+    micro = ppo.train(ppo.Args(**common, micro_batch_size=4))
+    assert whole["curve"][0]["update_steps"] == micro["curve"][0]["update_steps"] == 8
+    for key in ("approx_kl", "approx_kl_max", "approx_kl_chunk", "clipfrac", "pg_loss", "v_loss"):
+        assert micro["curve"][0][key] == pytest.approx(whole["curve"][0][key], rel=1e-4, abs=1e-9), key
+    weights = [(a, b) for a, b in zip(whole["trainer"].model.parameters(), micro["trainer"].model.parameters())]
+    for a, b in weights:
+        torch.testing.assert_close(b, a, rtol=1e-4, atol=1e-6)
+    message = (r"^--micro-batch-size: expected a divisor of the minibatch size 16 \(num_envs x num_steps / "
+               r"num_minibatches\), got 5\. Fix: pass e\.g\. --micro-batch-size 8\.$")  # fmt: skip
+    with pytest.raises(ValueError, match=message):
+        ppo.Args(**common, micro_batch_size=5)

@@ -1,0 +1,25 @@
+"""MasterWeights: bfloat16 gradients summed on the float32 masters across micro-batches."""
+
+from __future__ import annotations
+
+import torch
+
+from phyai_gym.train.master_weights import MasterWeights
+
+
+def test_accumulate_adds_each_backward_in_float32_and_plain_copy_replaces() -> None:
+    torch.manual_seed(0)
+    model = torch.nn.Linear(8, 3).to(torch.bfloat16)
+    master = MasterWeights(model.parameters())
+    per_part = []
+    for part in torch.randn(6, 8, dtype=torch.bfloat16).split(2):
+        model(part).float().square().sum().backward()
+        per_part.append([p.grad.float() for p in model.parameters()])
+        master.grads_to_masters(accumulate=True)
+        assert all(p.grad is None for p in model.parameters())  # released: the next part starts from none
+    summed = [per_part[0][i] + per_part[1][i] + per_part[2][i] for i in range(2)]
+    assert all(torch.equal(m.grad, s) for m, s in zip(master.parameters(), summed, strict=True))
+    model(torch.ones(1, 8, dtype=torch.bfloat16)).float().sum().backward()
+    last = [p.grad.float() for p in model.parameters()]
+    master.grads_to_masters()  # without accumulate: the masters get this backward's gradients only
+    assert all(torch.equal(m.grad, g) for m, g in zip(master.parameters(), last, strict=True))

@@ -519,18 +519,21 @@ def _train(args: Args, curves: CurveLog, group: ProcessGroup | None, resume_from
             optimizer.zero_grad()
             sums, mb_pg, mb_v = 0.0, 0.0, 0.0
             for part, part_adv in zip(mb.split(micro), mb_adv.split(micro), strict=True):
-                # differentiable log-probs and values (on a GPU: forward and backward replayed as CUDA graphs)
-                new = trainer.evaluate(b_samples.select(part), cuda_graphs=args.trainer_cuda_graphs)
-                # (B, G) log-ratios: G = 1 (sum, mean), C (action) or C x A (element) clipped ratios per sample
-                part_log_ratio = log_ratio(new.log_prob_elements, b_log_probs[part], args.logprob_reduction)
-                with torch.no_grad():
-                    chunk_log_ratio = (new.log_prob_elements - b_log_probs[part]).sum(dim=(1, 2))  # whole chunk's
-                    sums = sums + ratio_sums(part_log_ratio, chunk_log_ratio, args.clip_coef)
-                # clipped surrogate (every ratio with its sample's advantage) and clipped value loss
-                pg, v = clipped_losses(part_log_ratio, new.values, b_values[part], part_adv, b_returns[part],
-                                       clip_coef=args.clip_coef, clip_vloss=args.clip_vloss)  # fmt: skip
-                share = len(part) / len(mb)
-                ((pg - args.ent_coef * new.entropy.mean() + v * args.vf_coef) * share).backward()
+                try:
+                    # differentiable log-probs and values (on a GPU: forward and backward replayed as CUDA graphs)
+                    new = trainer.evaluate(b_samples.select(part), cuda_graphs=args.trainer_cuda_graphs)
+                    # (B, G) log-ratios: G = 1 (sum, mean), C (action) or C x A (element) clipped ratios per sample
+                    part_log_ratio = log_ratio(new.log_prob_elements, b_log_probs[part], args.logprob_reduction)
+                    with torch.no_grad():
+                        chunk_log_ratio = (new.log_prob_elements - b_log_probs[part]).sum(dim=(1, 2))  # whole chunk
+                        sums = sums + ratio_sums(part_log_ratio, chunk_log_ratio, args.clip_coef)
+                    # clipped surrogate (every ratio with its sample's advantage) and clipped value loss
+                    pg, v = clipped_losses(part_log_ratio, new.values, b_values[part], part_adv, b_returns[part],
+                                           clip_coef=args.clip_coef, clip_vloss=args.clip_vloss)  # fmt: skip
+                    share = len(part) / len(mb)
+                    ((pg - args.ent_coef * new.entropy.mean() + v * args.vf_coef) * share).backward()
+                except torch.OutOfMemoryError as error:
+                    raise torch.OutOfMemoryError(f"{error}\n{out_of_memory_fix(micro, args.minibatch_size)}") from error
                 master.grads_to_masters(accumulate=True)  # summed in float32 on the masters
                 mb_pg, mb_v = mb_pg + pg.detach() * share, mb_v + v.detach() * share
             approx_kl, chunk_kl, clipfrac = finish_ratio_stats(sums, group, what)
@@ -632,6 +635,15 @@ def shuffled_minibatches(batch_size: int, epochs: int, minibatch_size: int):
         np.random.shuffle(b_idx)
         for start in range(0, batch_size, minibatch_size):
             yield b_idx[start : start + minibatch_size]
+
+
+def out_of_memory_fix(micro: int, minibatch: int) -> str:
+    """What to do when the update's forward and backward of `micro` samples ran the device out of memory."""
+    smaller = [d for d in range(1, micro // 2 + 1) if minibatch % d == 0]
+    if not smaller:
+        return "The PPO update of one sample ran the device out of memory. Fix: a smaller policy or image size."
+    return (f"The PPO update's forward and backward of {micro} samples at once ran the device out of memory. Fix: "
+            f"pass --micro-batch-size {smaller[-1]} (the same update, the minibatch of {minibatch} in smaller parts).")
 
 
 def advantage_stats(adv: torch.Tensor, group: ProcessGroup | None, what: str) -> tuple[torch.Tensor, torch.Tensor]:

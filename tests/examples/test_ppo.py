@@ -13,6 +13,7 @@ import numpy as np
 import pytest
 import torch
 
+from policies.pi05.policy import Pi05Policy
 from wrappers.adapters.target_task import TargetEnv
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -134,3 +135,18 @@ def test_micro_batches_give_the_whole_minibatch_update():
                r"num_minibatches\), got 5\. Fix: pass e\.g\. --micro-batch-size 8\.$")  # fmt: skip
     with pytest.raises(ValueError, match=message):
         ppo.Args(**common, micro_batch_size=5)
+
+
+def test_out_of_memory_in_the_update_names_the_micro_batch_fix(monkeypatch):
+    ppo = _ppo_module()
+
+    def out_of_memory(self, batch, *, cuda_graphs=False):
+        raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB")
+
+    monkeypatch.setattr(Pi05Policy, "evaluate", out_of_memory)  # as a GPU's allocator raises it
+    message = (r"(?s)CUDA out of memory.*forward and backward of 16 samples at once ran the device out of "
+               r"memory\. Fix: pass --micro-batch-size 8 \(the same update, the minibatch of 16 in smaller parts\)\.$")
+    with pytest.raises(torch.OutOfMemoryError, match=message):
+        ppo.train(ppo.Args(num_envs=8, num_steps=4, total_iterations=1, eval_episodes=0, csv=None, quiet=True))
+    assert ppo.out_of_memory_fix(1, 16).endswith("Fix: a smaller policy or image size.")
+    assert "--micro-batch-size 4 " in ppo.out_of_memory_fix(8, 12)  # a divisor of the minibatch

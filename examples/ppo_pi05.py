@@ -252,7 +252,7 @@ class Args:
 
 
 RESUMABLE_CHANGES = ("total_iterations", "save_every", "keep_checkpoints", "eval_episodes", "quiet", "tensorboard",
-                     "threads", "dist_timeout", "trainer_cuda_graphs")  # fmt: skip
+                     "threads", "dist_timeout", "trainer_cuda_graphs", "micro_batch_size")  # fmt: skip
 """The flags a resumed run may change; every other one is the run's own (its args.json)."""
 
 

@@ -11,7 +11,8 @@ Per seed, the whole user sequence, each step the command a user runs (in this pr
 
 One row per seed and a pooled row (all seeds' episodes) go to ``results/real_task_rl.jsonl`` (with ``sft_s``, the
 recording and SFT, None when a rerun kept them; ``ppo_s``, this start's PPO; ``ppo_iteration_s``, every PPO
-iteration's time from the curve, resumes included); each seed's PPO curve
+iteration's time from the curve, resumes included; ``ppo_target_kl``, the KL stop PPO ran with, its default for a
+checkpoint resolved); each seed's PPO curve
 is plotted with `phyai_gym.train.curves.plot_curves` into ``plots/real_task_rl_seed<k>.png``.
 
     python -m benchmarks.real_task_rl       # 3 seeds, tiny config, push-cube + state, 64 px (~20 min a seed here)
@@ -28,6 +29,7 @@ through ``examples/ppo_pi05.py --resume``; ``--ppo-iterations`` may grow between
 from __future__ import annotations
 
 import csv
+import json
 import math
 import runpy
 import sys
@@ -209,6 +211,7 @@ def one_seed(args: Args, seed: int, work: Path) -> dict:
         "sft_s": None if reused else round(sft_s, 1),  # recording + SFT, None when a rerun kept them
         "ppo_s": round(ppo_s, 1),  # this start's PPO (a resumed run: its part)
         "ppo_iteration_s": round(sum(r["time_rollout"] + r["time_train"] + r["time_sync"] for r in curve), 1),
+        "ppo_target_kl": json.loads((run / "args.json").read_text())["target_kl"],  # PPO's, its default resolved
         "ppo_rollout_success": [None if math.isnan(r["success_rate"]) else round(r["success_rate"], 3) for r in curve],
     }  # fmt: skip
 

@@ -21,6 +21,7 @@ def test_two_seeds_give_a_row_each_and_a_pooled_row(tmp_path):
     for r in rows[:2]:
         assert r["sft_episodes"] == r["ppo_episodes"] == 2 and len(r["ppo_rollout_success"]) == 1
         assert 0.0 <= r["sft_ci"][0] <= r["sft_success"] <= r["sft_ci"][1] <= 1.0
+        assert r["ppo_target_kl"] == 0.1  # PPO's default stop for a checkpoint, though --target-kl was left out
     assert rows[-1]["sft_episodes"] == 4 and rows[-1]["sft_successes"] == sum(r["sft_successes"] for r in rows[:2])
     assert read_rows(tmp_path / "real_task_rl.jsonl") == rows
     assert (tmp_path / "work" / "seed2" / "ppo" / "checkpoints" / "last" / "pretrained_model").is_dir()
@@ -45,6 +46,7 @@ def test_a_rerun_in_the_same_work_dir_keeps_the_sft_and_resumes_ppo(tmp_path):
     assert ppo_args["trainable"] == "all" and ppo_args["vf_coef"] == 0.0
     assert " annealed kl<=0.5 " in second["config"] and " trainable=all vf=0" in second["config"]
     assert second["ppo_iteration_s"] > first["ppo_iteration_s"] > 0  # both starts' iterations, from the curve
+    assert first["ppo_target_kl"] == second["ppo_target_kl"] == 0.5
 
 
 @pytest.mark.parametrize("flags", [{"ppo_trainable": "prefix"}, {"sft_trainable": "none"}, {"vf_coef": -0.5}])

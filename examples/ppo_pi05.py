@@ -67,6 +67,7 @@ from phyai_gym.train.ppo_math import (
     clipped_losses,
     gae,
     log_ratio,
+    ratio_stats,
 )
 from phyai_gym.train.training_state import TrainingState, latest_checkpoint
 from policies.pi05.batch import RolloutBatch
@@ -508,16 +509,17 @@ def _train(args: Args, curves: CurveLog, group: ProcessGroup | None, resume_from
         clipfracs, kls, chunk_kls, steps = [], [], [], 0  # per minibatch; optimizer steps taken
         pg_loss = v_loss = torch.full((), float("nan"))  # an update stopped before its first step
         micro = args.micro_batch_size or args.minibatch_size
+        share = micro / args.minibatch_size  # of the minibatch's mean loss and statistics, per micro-batch
+        what = f"the minibatch statistics all-reduce (iteration {iteration})"
         for mb_idx in shuffled_minibatches(args.batch_size, args.update_epochs, args.minibatch_size):
             mb = torch.as_tensor(mb_idx, device=device)
-            what = f"the minibatch statistics all-reduce (iteration {iteration})"
             mb_adv = b_advantages[mb]
             if args.norm_adv and args.group_size == 1:  # over every rank's share of the minibatch
                 adv_mean, adv_std = advantage_stats(mb_adv, group, what)
                 mb_adv = (mb_adv - adv_mean) / (adv_std + 1e-8)
             # forward and backward per micro-batch: their gradients add up to the minibatch's mean loss's
             optimizer.zero_grad()
-            sums, mb_pg, mb_v = 0.0, 0.0, 0.0
+            stats, mb_pg, mb_v = 0.0, 0.0, 0.0  # (approx-KL, chunk approx-KL, clip fraction), losses
             for part, part_adv in zip(mb.split(micro), mb_adv.split(micro), strict=True):
                 try:
                     # differentiable log-probs and values (on a GPU: forward and backward replayed as CUDA graphs)
@@ -526,17 +528,20 @@ def _train(args: Args, curves: CurveLog, group: ProcessGroup | None, resume_from
                     part_log_ratio = log_ratio(new.log_prob_elements, b_log_probs[part], args.logprob_reduction)
                     with torch.no_grad():
                         chunk_log_ratio = (new.log_prob_elements - b_log_probs[part]).sum(dim=(1, 2))  # whole chunk
-                        sums = sums + ratio_sums(part_log_ratio, chunk_log_ratio, args.clip_coef)
+                        part_kl, part_clipfrac = ratio_stats(part_log_ratio, args.clip_coef)  # no host sync
+                        stats = stats + torch.stack([part_kl, ratio_stats(chunk_log_ratio, args.clip_coef)[0],
+                                                     part_clipfrac]) * share  # fmt: skip
                     # clipped surrogate (every ratio with its sample's advantage) and clipped value loss
                     pg, v = clipped_losses(part_log_ratio, new.values, b_values[part], part_adv, b_returns[part],
                                            clip_coef=args.clip_coef, clip_vloss=args.clip_vloss)  # fmt: skip
-                    share = len(part) / len(mb)
                     ((pg - args.ent_coef * new.entropy.mean() + v * args.vf_coef) * share).backward()
                 except torch.OutOfMemoryError as error:
                     raise torch.OutOfMemoryError(f"{error}\n{out_of_memory_fix(micro, args.minibatch_size)}") from error
                 master.grads_to_masters(accumulate=True)  # summed in float32 on the masters
                 mb_pg, mb_v = mb_pg + pg.detach() * share, mb_v + v.detach() * share
-            approx_kl, chunk_kl, clipfrac = finish_ratio_stats(sums, group, what)
+            if group is not None:  # every rank's share of the minibatch is the same size: the mean of the means
+                stats = group.all_reduce_sum(stats, what) / group.world_size
+            approx_kl, chunk_kl, clipfrac = stats
             clipfracs.append(clipfrac)
             kls.append(approx_kl)
             chunk_kls.append(chunk_kl)
@@ -654,26 +659,6 @@ def advantage_stats(adv: torch.Tensor, group: ProcessGroup | None, what: str) ->
     n, total, sumsq = group.all_reduce_sum(torch.stack([torch.ones_like(a).sum(), a.sum(), (a * a).sum()]), what)
     mean = total / n
     return mean.float(), ((sumsq - n * mean * mean).clamp(min=0.0) / (n - 1)).sqrt().float()
-
-
-def ratio_sums(log_ratio: torch.Tensor, chunk_log_ratio: torch.Tensor, clip_coef: float) -> torch.Tensor:
-    """Sums that micro-batches and ranks add up: samples, ratios, k3 approx-KL of the (B, G) ratios and of the whole
-    chunks, clipped ratios (`finish_ratio_stats` turns them into means)."""
-    log_ratio, chunk_log_ratio = log_ratio.double(), chunk_log_ratio.double()
-    ratio = log_ratio.exp()
-    return torch.stack([
-        torch.ones_like(chunk_log_ratio).sum(), torch.ones_like(ratio).sum(), ((ratio - 1) - log_ratio).sum(),
-        (chunk_log_ratio.exp() - 1 - chunk_log_ratio).sum(), ((ratio - 1.0).abs() > clip_coef).double().sum(),
-    ])  # fmt: skip
-
-
-def finish_ratio_stats(sums: torch.Tensor, group: ProcessGroup | None, what: str) -> tuple[torch.Tensor, ...]:
-    """approx-KL (of the ratios and of the whole chunks) and clip fraction of a minibatch from its `ratio_sums`,
-    over every rank's share under torchrun (one all-reduce); detached, no host sync."""
-    if group is not None:
-        sums = group.all_reduce_sum(sums, what)
-    n, g, kl, chunk_kl, clipped = sums
-    return (kl / g).float(), (chunk_kl / n).float(), (clipped / g).float()
 
 
 def global_metrics(

@@ -36,6 +36,7 @@ class MasterWeights:
             for p in self.model_params
         ]
         self._low = [(m, p) for m, p in zip(self.masters, self.model_params) if m is not p]
+        self._own = [m for m, p in zip(self.masters, self.model_params) if m is p]
 
     def parameters(self) -> list[torch.Tensor]:
         """The float32 tensors the optimizer steps."""
@@ -46,7 +47,14 @@ class MasterWeights:
 
         With `accumulate`, a master that already has a gradient gets the model's added to it, in float32 (the
         micro-batches of one minibatch: call it after each backward, zero the masters' gradients between steps).
+        A float32 parameter is its own master and autograd adds into its gradient; that gradient is given its own
+        storage here, as autograd may have adopted a CUDA graph's static gradient buffer as it (`GraphedEvaluate`),
+        which the next replay overwrites before adding it to itself.
         """
+        if accumulate:
+            for own in self._own:
+                if own.grad is not None:
+                    own.grad = own.grad.clone()
         copy, add = [], []
         for master, param in self._low:
             if param.grad is None:

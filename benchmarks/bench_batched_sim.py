@@ -162,7 +162,8 @@ def ppo(task: str, n: int, config: str, chunk: int, iterations: int, device: tor
             sys.argv = saved
         wall = time.perf_counter() - started
         rows = list(csv.DictReader(curve.open()))
-    numbers = [float(v) for row in rows for k, v in row.items() if k not in ("success_rate", "episodic_return") and v]
+    nan_by_design = ("success_rate", "episodic_return", "group_signal")  # no episode ended; no --group-size
+    numbers = [float(v) for row in rows for k, v in row.items() if k not in nan_by_design and v]
     mean = lambda key: sum(float(r[key]) for r in rows) / len(rows)  # noqa: E731
     write_rows(BENCH, [dict(
         kind="ppo",

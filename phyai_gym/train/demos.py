@@ -30,6 +30,7 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
+import torch
 
 
 def _h5py():
@@ -225,11 +226,48 @@ def panda_expert(envs: Any) -> Callable[[dict[str, Any]], Any]:
     return lambda obs: scripted_action(envs.task, envs.task_state())
 
 
+MANISKILL_EXPERT_GAIN = 1.0
+"""The Panda expert's gain on ManiSkill: its pd_ee_delta_pose controller covers about 40 % of a commanded delta in a
+step (MuJoCo Warp's emulation more), so the emulation's gain of 0.5 pushes the cube too slowly to reach the goal."""
+
+
+def maniskill_expert(task_name: str) -> Callable[[Any], Callable[[dict[str, Any]], Any]]:
+    """The Panda tasks' scripted expert on ManiSkill3 CPU PickCube-v1 or PushCube-v1 (task_name pick_cube, push_cube).
+
+    ``build(envs)`` reads each sub-env's privileged state through ``envs.call("task_state")``
+    (`wrappers.adapters.maniskill.ManiSkillObservation.task_state`).
+
+    ManiSkill's rotation deltas turn the TCP the opposite way about each world axis from the emulation's, so the
+    expert's rotation is negated here.
+    """
+
+    def build(envs: Any) -> Callable[[dict[str, Any]], Any]:
+        from wrappers.adapters import panda_tasks as pt
+
+        task = pt.TASKS[task_name]
+
+        def expert(obs: dict[str, Any]) -> Any:
+            rows = envs.call("task_state")
+            s = {name: torch.as_tensor(np.stack([row[name] for row in rows])) for name in rows[0]}
+            state = pt.TaskState(tcp_pos=s["tcp_pos"], tcp_rot=pt.quat_to_matrix(s["tcp_quat"]),
+                                 cube_pos=s["cube_pos"], cube_quat=s["cube_quat"], goal=s["goal"],
+                                 arm_qvel=s["arm_qvel"], finger_gap=s["finger_gap"])  # fmt: skip
+            action = pt.scripted_action(task, state, gain=MANISKILL_EXPERT_GAIN)
+            action[:, 3:6] = -action[:, 3:6]
+            return action.numpy()
+
+        return expert
+
+    return build
+
+
 EXPERTS: dict[str, Callable[[Any], Callable[[dict[str, Any]], Any]]] = {
     "target": lambda envs: target_expert,
     "mjwarp_push_cube": panda_expert,
     "mjwarp_push_cube_state": panda_expert,
     "mjwarp_pick_cube": panda_expert,
+    "PickCube-v1": maniskill_expert("pick_cube"),
+    "PushCube-v1": maniskill_expert("push_cube"),
 }
 """Scripted experts by env name (`phyai_gym.make_env` names): ``EXPERTS[name](envs)`` is the batched expert
 ``obs -> (N, A) actions`` for those envs (an expert may read the simulator's privileged state)."""

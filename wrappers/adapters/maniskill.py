@@ -270,6 +270,10 @@ def _state_dim(raw_space: spaces.Dict, goal: Any) -> int:
     return raw_space["agent"]["qpos"].shape[-1] + 7 + (GOAL_STATE_DIM if goal is not None else 0)
 
 
+PRIVILEGED_ACTORS = {"PickCubeEnv": ("cube", "goal_site"), "PushCubeEnv": ("obj", "goal_region")}
+"""ManiSkill env class -> the attributes holding its cube and its goal (read by `ManiSkillObservation.task_state`)."""
+
+
 class ManiSkillObservation(gym.ObservationWrapper, RecordConstructorArgs):
     """Turns one unbatched (``CPUGymWrapper``) ManiSkill env's observation into the canonical one (numpy).
 
@@ -310,6 +314,26 @@ class ManiSkillObservation(gym.ObservationWrapper, RecordConstructorArgs):
 
     def _tcp_pose(self) -> np.ndarray:
         return self.env.unwrapped.agent.tcp.pose.raw_pose[0].cpu().numpy()
+
+    def task_state(self) -> dict[str, np.ndarray]:
+        """Privileged state of a cube task for scripted experts (`phyai_gym.train.demos.EXPERTS`), float32 numpy.
+
+        ``tcp_pos`` (3), ``tcp_quat`` (4, wxyz), ``cube_pos`` (3), ``cube_quat`` (4), ``goal`` (3), ``arm_qvel`` (7)
+        and ``finger_gap`` () of PickCube-v1 or PushCube-v1; a vector env gathers them with
+        ``envs.call("task_state")``. The policy never sees these (the cube only in the images).
+        """
+        base = self.env.unwrapped
+        names = PRIVILEGED_ACTORS.get(type(base).__name__)
+        if names is None:
+            raise ValueError(
+                f"task_state: expected a ManiSkill cube task ({', '.join(PRIVILEGED_ACTORS)}), got "
+                f"{type(base).__name__}; a scripted expert for another task must read its own actors."
+            )
+        cube, goal = (getattr(base, name).pose for name in names)
+        tcp, qpos, qvel = base.agent.tcp.pose, base.agent.robot.get_qpos()[0], base.agent.robot.get_qvel()[0]
+        values = {"tcp_pos": tcp.p[0], "tcp_quat": tcp.q[0], "cube_pos": cube.p[0], "cube_quat": cube.q[0],
+                  "goal": goal.p[0], "arm_qvel": qvel[:7], "finger_gap": qpos[7] + qpos[8]}  # fmt: skip
+        return {name: value.cpu().numpy().astype(np.float32) for name, value in values.items()}
 
     def observation(self, observation: Mapping[str, Any]) -> dict[str, Any]:
         """Canonical observation of one env (its cameras captured now when the env does not capture them)."""

@@ -253,6 +253,20 @@ def matrix_to_quat(rot: torch.Tensor) -> torch.Tensor:
     return torch.stack([w, x, y, z], dim=-1)
 
 
+def quat_to_matrix(quat: torch.Tensor) -> torch.Tensor:
+    """(N, 4) unit quaternions wxyz -> (N, 3, 3) rotation matrices (the inverse of `matrix_to_quat`).
+
+    Example:
+        >>> quat_to_matrix(torch.tensor([[1.0, 0.0, 0.0, 0.0]])).equal(torch.eye(3)[None])
+        True
+    """
+    w, x, y, z = quat.unbind(-1)
+    rows = [1 - 2 * (y * y + z * z), 2 * (x * y - z * w), 2 * (x * z + y * w),
+            2 * (x * y + z * w), 1 - 2 * (x * x + z * z), 2 * (y * z - x * w),
+            2 * (x * z - y * w), 2 * (y * z + x * w), 1 - 2 * (x * x + y * y)]  # fmt: skip
+    return torch.stack(rows, dim=-1).view(*quat.shape[:-1], 3, 3)
+
+
 def tcp_jacobian(tcp_pos: torch.Tensor, anchors: torch.Tensor, axes: torch.Tensor) -> torch.Tensor:
     """(N, 6, J) geometric Jacobian of the TCP for J hinge joints (world-frame anchors and axes, (N, J, 3))."""
     linear = torch.cross(axes, tcp_pos[:, None, :] - anchors, dim=-1)
@@ -300,12 +314,13 @@ def _yaw_error(s: TaskState) -> torch.Tensor:
     return torch.remainder(cube_yaw - finger_yaw + math.pi / 4, math.pi / 2) - math.pi / 4
 
 
-def scripted_action(task: PandaTask, s: TaskState) -> torch.Tensor:
+def scripted_action(task: PandaTask, s: TaskState, gain: float = EXPERT_GAIN) -> torch.Tensor:
     """(N, 7) actions of a stateless scripted expert that reads privileged state (the cube's pose).
 
     Pick: above the cube with the fingers open and aligned, down, close, carry to the goal. Push: behind the cube,
     down to the table, along +x to the goal, each phase blended into the next by ramps. Used for demonstrations and
-    the adapter's tests.
+    the adapter's tests. `gain`: the action per unit of pose error (a controller that follows a delta more slowly,
+    as ManiSkill's, needs more).
     """
     n, device = s.tcp_pos.shape[0], s.tcp_pos.device
     grip = torch.ones(n, device=device)
@@ -343,8 +358,8 @@ def scripted_action(task: PandaTask, s: TaskState) -> torch.Tensor:
         grip = -grip
         yaw = torch.zeros(n, device=device)
         speed = (1 - drive * (1 - PUSH_SPEED))[:, None]  # a gentle push: the cube slides, it is not hit
-    move = torch.clamp(EXPERT_GAIN * (target - s.tcp_pos) / POS_SCALE, -1, 1) * speed
-    rot = torch.clamp(EXPERT_GAIN * _pointing_down_error(s, yaw) / ROT_SCALE, -1, 1)
+    move = torch.clamp(gain * (target - s.tcp_pos) / POS_SCALE, -1, 1) * speed
+    rot = torch.clamp(gain * _pointing_down_error(s, yaw) / ROT_SCALE, -1, 1)
     return torch.cat([move, rot, grip[:, None]], dim=-1)
 
 

@@ -84,3 +84,22 @@ def test_dart_noise_perturbs_the_executed_actions_and_records_the_experts():
     with pytest.raises(ValueError, match="noise must be a finite std"):
         record_demos(envs, target_expert, 1, noise=-0.1)
     envs.close()
+
+
+@pytest.mark.parametrize("name", ["PickCube-v1", "PushCube-v1"])
+def test_maniskill_cpu_demos_of_the_scripted_expert_succeed_and_read_back(tmp_path, name):
+    """ManiSkill3 on its CPU simulator: the expert reads each sub-env's privileged state and finishes every episode."""
+    pytest.importorskip("mani_skill", reason='ManiSkill3 is not installed (pip install "phyai-gym[maniskill]")')
+    from phyai_gym.train.demos import EXPERTS
+
+    envs = make_env(name, 2, image_size=32)
+    episodes = record_demos(envs, EXPERTS[name](envs), 4, seed=3)
+    envs.close()
+    assert [e.success for e in episodes] == [True] * 4  # 50 of 50 seeds of each task succeed (docs/rl.md)
+    for e in episodes:
+        assert e.actions.shape == (e.length, 7) and e.length < 50 and np.abs(e.actions).max() <= 1.0
+        assert e.images["image"].shape == (e.length + 1, 32, 32, 3)
+    back = read_demos(write_demos(tmp_path / "demos.h5", episodes, {"env_id": name}))
+    for a, b in zip(episodes, back, strict=True):
+        np.testing.assert_array_equal(a.actions, b.actions)
+        np.testing.assert_array_equal(a.state, b.state)

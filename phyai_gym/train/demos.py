@@ -249,10 +249,7 @@ def maniskill_expert(task_name: str) -> Callable[[Any], Callable[[dict[str, Any]
         def expert(obs: dict[str, Any]) -> Any:
             rows = envs.call("task_state")
             s = {name: torch.as_tensor(np.stack([row[name] for row in rows])) for name in rows[0]}
-            state = pt.TaskState(tcp_pos=s["tcp_pos"], tcp_rot=pt.quat_to_matrix(s["tcp_quat"]),
-                                 cube_pos=s["cube_pos"], cube_quat=s["cube_quat"], goal=s["goal"],
-                                 arm_qvel=s["arm_qvel"], finger_gap=s["finger_gap"])  # fmt: skip
-            action = pt.scripted_action(task, state, gain=MANISKILL_EXPERT_GAIN)
+            action = pt.scripted_action(task, pt.TaskState(**s), gain=MANISKILL_EXPERT_GAIN)
             action[:, 3:6] = -action[:, 3:6]
             return action.numpy()
 

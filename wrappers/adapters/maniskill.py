@@ -318,7 +318,7 @@ class ManiSkillObservation(gym.ObservationWrapper, RecordConstructorArgs):
     def task_state(self) -> dict[str, np.ndarray]:
         """Privileged state of a cube task for scripted experts (`phyai_gym.train.demos.EXPERTS`), float32 numpy.
 
-        ``tcp_pos`` (3), ``tcp_quat`` (4, wxyz), ``cube_pos`` (3), ``cube_quat`` (4), ``goal`` (3), ``arm_qvel`` (7)
+        ``tcp_pos`` (3), ``tcp_rot`` (3, 3), ``cube_pos`` (3), ``cube_quat`` (4, wxyz), ``goal`` (3), ``arm_qvel`` (7)
         and ``finger_gap`` () of PickCube-v1 or PushCube-v1; a vector env gathers them with
         ``envs.call("task_state")``. The policy never sees these (the cube only in the images).
         """
@@ -331,8 +331,9 @@ class ManiSkillObservation(gym.ObservationWrapper, RecordConstructorArgs):
             )
         cube, goal = (getattr(base, name).pose for name in names)
         tcp, qpos, qvel = base.agent.tcp.pose, base.agent.robot.get_qpos()[0], base.agent.robot.get_qvel()[0]
-        values = {"tcp_pos": tcp.p[0], "tcp_quat": tcp.q[0], "cube_pos": cube.p[0], "cube_quat": cube.q[0],
-                  "goal": goal.p[0], "arm_qvel": qvel[:7], "finger_gap": qpos[7] + qpos[8]}  # fmt: skip
+        values = {"tcp_pos": tcp.p[0], "tcp_rot": tcp.to_transformation_matrix()[0, :3, :3], "cube_pos": cube.p[0],
+                  "cube_quat": cube.q[0], "goal": goal.p[0], "arm_qvel": qvel[:7],
+                  "finger_gap": qpos[7] + qpos[8]}  # fmt: skip
         return {name: value.cpu().numpy().astype(np.float32) for name, value in values.items()}
 
     def observation(self, observation: Mapping[str, Any]) -> dict[str, Any]:

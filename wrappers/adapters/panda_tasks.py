@@ -253,20 +253,6 @@ def matrix_to_quat(rot: torch.Tensor) -> torch.Tensor:
     return torch.stack([w, x, y, z], dim=-1)
 
 
-def quat_to_matrix(quat: torch.Tensor) -> torch.Tensor:
-    """(N, 4) unit quaternions wxyz -> (N, 3, 3) rotation matrices (the inverse of `matrix_to_quat`).
-
-    Example:
-        >>> quat_to_matrix(torch.tensor([[1.0, 0.0, 0.0, 0.0]])).equal(torch.eye(3)[None])
-        True
-    """
-    w, x, y, z = quat.unbind(-1)
-    rows = [1 - 2 * (y * y + z * z), 2 * (x * y - z * w), 2 * (x * z + y * w),
-            2 * (x * y + z * w), 1 - 2 * (x * x + z * z), 2 * (y * z - x * w),
-            2 * (x * z - y * w), 2 * (y * z + x * w), 1 - 2 * (x * x + y * y)]  # fmt: skip
-    return torch.stack(rows, dim=-1).view(*quat.shape[:-1], 3, 3)
-
-
 def tcp_jacobian(tcp_pos: torch.Tensor, anchors: torch.Tensor, axes: torch.Tensor) -> torch.Tensor:
     """(N, 6, J) geometric Jacobian of the TCP for J hinge joints (world-frame anchors and axes, (N, J, 3))."""
     linear = torch.cross(axes, tcp_pos[:, None, :] - anchors, dim=-1)
